@@ -1,0 +1,35 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.slimspec-installed
+
+.PHONY: setup demo test test-fast bench lint clean
+
+setup: $(STAMP)
+
+# torch first, pinned: 2.13.0 is served here as a CPU build (never pull a multi-GB CUDA build).
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test]"
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python scripts/demo.py
+
+test: setup
+	$(BIN)/python -m ruff check src tests scripts
+	$(BIN)/python -m pytest
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow and not e2e and not vllm"
+
+bench: setup
+	$(BIN)/python scripts/bench.py
+
+lint: setup
+	$(BIN)/python -m ruff check src tests scripts
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

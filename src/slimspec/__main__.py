@@ -1,0 +1,3 @@
+from slimspec.cli import main
+
+main()

@@ -1,0 +1,321 @@
+"""Read every published EAGLE-3 drafter layout into one canonical in-memory form.
+
+Canonical tensor names follow the EAGLE reference (``fc.weight``, ``midlayer.*``, ``norm.weight``,
+``lm_head.weight``, ``d2t``), whatever the source called them. ``d2t[i]`` is an offset:
+draft token ``i`` is target token ``i + d2t[i]`` (true for every format, frequency-ordered ones too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slimspec.checkpoint.files import read_json, read_tensors, sha256_file, weight_map
+from slimspec.errors import CheckpointError
+
+LAYOUTS = ("eagle", "specforge", "speculators", "modelopt", "angelslim", "slimspec")
+LOWRANK_DOWN = "lm_head_down.weight"  # SlimSpec: lm_head.weight is W_up [V, r], this is W_down [r, d]
+
+# Tensors of the single EAGLE-3 decoder layer (after the prefix), required unless marked optional.
+LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "hidden_norm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+OPTIONAL_LAYER_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+LAYER_PREFIXES = ("midlayer.", "layers.0.")
+
+
+@dataclass
+class DrafterConfig:
+    """Everything about a drafter's shape and variant, independent of the layout it came in."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_hidden_size: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int  # rows of the drafter's own head (== vocab_size when untrimmed)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    model_type: str = "llama"  # "llama" or "qwen3" (q/k norms)
+    num_aux_hidden_states: int = 3
+    # As the source wrote them (vLLM reads them as indices of the target hidden state *entering* a layer).
+    aux_layer_ids: list[int] | None = None
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    target_model: str | None = None  # the verifier named in the config, if any
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class DrafterCheckpoint:
+    """A drafter in canonical form: config, canonical tensors, and where it came from."""
+
+    layout: str
+    config: DrafterConfig
+    tensors: dict[str, torch.Tensor]
+    source: Path
+    files: list[Path]
+    raw_config: dict[str, Any]
+    dropped: list[str] = field(default_factory=list)  # stray source tensors not carried over
+
+    @property
+    def has_head(self) -> bool:
+        return "lm_head.weight" in self.tensors
+
+    @property
+    def is_lowrank(self) -> bool:
+        return LOWRANK_DOWN in self.tensors
+
+    @property
+    def rank(self) -> int | None:
+        return int(self.tensors[LOWRANK_DOWN].shape[0]) if self.is_lowrank else None
+
+    def head_weight(self) -> torch.Tensor | None:
+        """The drafter's head as one ``[Vd, d]`` matrix (``W_up @ W_down`` for a SlimSpec head)."""
+        if not self.has_head:
+            return None
+        head = self.tensors["lm_head.weight"]
+        if self.is_lowrank:
+            return head.float() @ self.tensors[LOWRANK_DOWN].float()
+        return head
+
+    @property
+    def d2t(self) -> torch.Tensor | None:
+        return self.tensors.get("d2t")
+
+    def draft_to_target_ids(self) -> torch.Tensor:
+        """Target token id of each draft token: ``arange(Vd) + d2t`` (identity without d2t)."""
+        ids = torch.arange(self.config.draft_vocab_size, dtype=torch.long)
+        d2t = self.d2t
+        return ids if d2t is None else ids + d2t.long()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        ref = self.tensors.get("lm_head.weight", self.tensors["fc.weight"])
+        return ref.dtype
+
+    def file_hashes(self) -> dict[str, str]:
+        return {p.name: sha256_file(p) for p in self.files}
+
+
+def detect_layout(raw: dict[str, Any], names: set[str]) -> str:
+    """Name the tool that wrote this checkpoint (it decides only how the config is read)."""
+    archs = raw.get("architectures") or []
+    if isinstance(raw.get("slimspec"), dict):
+        return "slimspec"
+    if raw.get("speculators_model_type") or "Eagle3Speculator" in archs:
+        return "speculators"
+    if "target_model_type" in raw or "Eagle3LlamaForCausalLM" in archs and "eagle_config" not in raw:
+        return "angelslim"
+    if "LlamaForCausalLMEagle3" in archs:
+        modelopt = "t2d" not in names or "lm_head.weight" not in names or raw.get("draft_vocab_size", 0) is None
+        return "modelopt" if modelopt else "specforge"
+    return "eagle"
+
+
+def _canonical_name(name: str) -> str | None:
+    """Map a source tensor name to its canonical name, or None for a stray tensor."""
+    if name.startswith("model.") and not name.startswith("model.layers"):
+        name = name[len("model."):]
+    elif name.startswith("model.layers.0."):
+        name = name[len("model."):]
+    for prefix in LAYER_PREFIXES:
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            if rest in LAYER_TENSORS or rest in OPTIONAL_LAYER_TENSORS:
+                return "midlayer." + rest
+            return None
+    if name in ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
+                "input_norm.weight", LOWRANK_DOWN):
+        return name
+    if name.startswith("fc_norm.") and name.endswith(".weight"):
+        return name
+    return None
+
+
+def _layer_config(raw: dict[str, Any], layout: str) -> dict[str, Any]:
+    if layout == "speculators":
+        inner = raw.get("transformer_layer_config")
+        if not isinstance(inner, dict):
+            raise CheckpointError("speculators config has no transformer_layer_config")
+        return inner
+    return raw
+
+
+def _get_eagle_config(raw: dict[str, Any]) -> dict[str, Any]:
+    value = raw.get("eagle_config")
+    return value if isinstance(value, dict) else {}
+
+
+def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Tensor]) -> DrafterConfig:
+    layer = _layer_config(raw, layout)
+    eagle_cfg = _get_eagle_config(raw)
+
+    def need(key: str) -> Any:
+        if key not in layer or layer[key] is None:
+            raise CheckpointError(f"drafter config lacks {key!r}")
+        return layer[key]
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    kv_heads = int(layer.get("num_key_value_heads") or heads)
+    head_dim = int(layer.get("head_dim") or hidden // heads)
+    fc = tensors["fc.weight"]
+    aux_ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
+    num_aux = len(aux_ids) if aux_ids else 3
+    if fc.shape[1] % num_aux:
+        raise CheckpointError(f"fc.weight {list(fc.shape)} is not {num_aux} target hidden states wide")
+    target_hidden = int(raw.get("target_hidden_size") or layer.get("target_hidden_size") or fc.shape[1] // num_aux)
+    vocab = int(need("vocab_size"))
+    draft_vocab = raw.get("draft_vocab_size", layer.get("draft_vocab_size"))
+    if draft_vocab is None:
+        head = tensors.get("lm_head.weight")
+        draft_vocab = head.shape[0] if head is not None else vocab
+    model_type = str(layer.get("model_type") or "llama")
+    if "midlayer.self_attn.q_norm.weight" in tensors:
+        model_type = "qwen3"
+
+    def flag(key: str, default: bool) -> bool:
+        for source in (raw, eagle_cfg, layer):
+            if source.get(key) is not None:
+                return bool(source[key])
+        return default
+
+    target_model = None
+    spec = raw.get("speculators_config")
+    if isinstance(spec, dict) and isinstance(spec.get("verifier"), dict):
+        target_model = spec["verifier"].get("name_or_path")
+    target_model = target_model or raw.get("base_model_name_or_path") or raw.get("target_model")
+    known = {"hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+             "vocab_size", "draft_vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
+             "max_position_embeddings", "hidden_act", "model_type", "architectures", "torch_dtype", "dtype"}
+    return DrafterConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=int(need("intermediate_size")),
+        target_hidden_size=target_hidden,
+        vocab_size=vocab,
+        draft_vocab_size=int(draft_vocab),
+        rms_norm_eps=float(layer.get("rms_norm_eps") or 1e-6),
+        rope_theta=float(layer.get("rope_theta") or 10000.0),
+        rope_scaling=layer.get("rope_scaling"),
+        max_position_embeddings=int(layer.get("max_position_embeddings") or 2048),
+        hidden_act=str(layer.get("hidden_act") or "silu"),
+        model_type=model_type,
+        num_aux_hidden_states=num_aux,
+        aux_layer_ids=[int(i) for i in aux_ids] if aux_ids else None,
+        # speculators checkpoints default to norm-before-residual (as vLLM reads them); the rest do not.
+        norm_before_residual=flag("norm_before_residual", layout == "speculators"),
+        norm_before_fc=flag("norm_before_fc", False),
+        fc_norm=flag("fc_norm", any(k.startswith("fc_norm.") for k in tensors)),
+        norm_output=flag("norm_output", False),
+        target_model=target_model,
+        extra={k: v for k, v in layer.items() if k not in known and isinstance(v, (int, float, str, bool))},
+    )
+
+
+def _check_shapes(cfg: DrafterConfig, t: dict[str, torch.Tensor], where: Path) -> None:
+    h, a = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    expected = {
+        "fc.weight": (h, cfg.num_aux_hidden_states * cfg.target_hidden_size),
+        "midlayer.self_attn.q_proj.weight": (a, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, a),
+        "midlayer.mlp.gate_proj.weight": (cfg.intermediate_size, h),
+        "midlayer.mlp.up_proj.weight": (cfg.intermediate_size, h),
+        "midlayer.mlp.down_proj.weight": (h, cfg.intermediate_size),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.draft_vocab_size, h),
+        LOWRANK_DOWN: (t[LOWRANK_DOWN].shape[0] if LOWRANK_DOWN in t else 0, h),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+    }
+    if LOWRANK_DOWN in t:
+        if "lm_head.weight" not in t or t[LOWRANK_DOWN].dim() != 2:
+            raise CheckpointError(f"{where}: a low-rank head needs lm_head.weight and {LOWRANK_DOWN}")
+        expected["lm_head.weight"] = (cfg.draft_vocab_size, t[LOWRANK_DOWN].shape[0])
+    for name, shape in expected.items():
+        if name in t and tuple(t[name].shape) != shape:
+            raise CheckpointError(
+                f"{where}: {name} has shape {list(t[name].shape)}, config implies {list(shape)}"
+            )
+    d2t = t.get("d2t")
+    if d2t is not None:
+        ids = torch.arange(cfg.draft_vocab_size) + d2t.long()
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+            raise CheckpointError(f"{where}: d2t maps draft tokens outside the target vocab of {cfg.vocab_size}")
+        if ids.unique().numel() != ids.numel():
+            raise CheckpointError(f"{where}: d2t maps two draft tokens to the same target token")
+    elif cfg.draft_vocab_size != cfg.vocab_size and "lm_head.weight" in t:
+        raise CheckpointError(
+            f"{where}: draft vocab {cfg.draft_vocab_size} differs from vocab {cfg.vocab_size} but there is no d2t"
+        )
+
+
+def load_drafter(folder: str | Path) -> DrafterCheckpoint:
+    """Read an EAGLE-3 drafter folder of any published layout into canonical form."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a folder")
+    raw = read_json(folder / "config.json")
+    files = weight_map(folder)
+    mapping: dict[str, str] = {}
+    dropped: list[str] = []
+    for name in files:
+        canon = _canonical_name(name)
+        if canon is None:
+            dropped.append(name)
+        elif canon in mapping:
+            raise CheckpointError(f"{folder}: tensors {mapping[canon]!r} and {name!r} both map to {canon!r}")
+        else:
+            mapping[canon] = name
+    missing = [n for n in ("fc.weight", "norm.weight") if n not in mapping]
+    missing += ["midlayer." + n for n in LAYER_TENSORS if "midlayer." + n not in mapping]
+    if missing:
+        raise CheckpointError(
+            f"{folder}: not an EAGLE-3 drafter (missing {', '.join(missing[:3])}"
+            f"{' and more' if len(missing) > 3 else ''})"
+        )
+    loaded = read_tensors(files, mapping.values())
+    tensors = {canon: loaded[src] for canon, src in mapping.items()}
+    layout = detect_layout(raw, set(mapping))
+    cfg = _build_config(raw, layout, tensors)
+    _check_shapes(cfg, tensors, folder)
+    return DrafterCheckpoint(
+        layout=layout,
+        config=cfg,
+        tensors=tensors,
+        source=folder,
+        files=sorted(set(files.values())),
+        raw_config=raw,
+        dropped=sorted(dropped),
+    )

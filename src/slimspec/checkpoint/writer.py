@@ -1,0 +1,149 @@
+"""Write a SlimSpec drafter folder: vLLM-style config, safetensors, model card; atomically."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from slimspec.checkpoint.drafter import DrafterConfig
+from slimspec.errors import SlimSpecError
+
+ARCHITECTURES = {"llama": "Eagle3SlimSpecLlamaForCausalLM", "qwen3": "Eagle3SlimSpecQwen3ForCausalLM"}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def drafter_config_json(
+    cfg: DrafterConfig, *, rank: int, head_vocab: int, dtype: torch.dtype, slimspec_meta: dict[str, Any]
+) -> dict[str, Any]:
+    """A flat Llama/Qwen3-style EAGLE-3 config (as vLLM reads drafters) naming our architecture.
+
+    The architecture starts with ``Eagle3`` (so vLLM keeps the name) and is unknown to vLLM without
+    the SlimSpec plugin: without it vLLM refuses the checkpoint instead of running a random head.
+    """
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[cfg.model_type]],
+        "model_type": cfg.model_type,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": head_vocab,
+        "target_hidden_size": cfg.target_hidden_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": DTYPE_NAMES[dtype],
+        "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
+    }
+    if cfg.aux_layer_ids:
+        config["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
+    config["slimspec"] = {"rank": rank, **slimspec_meta}
+    return config
+
+
+def model_card(*, drafter_id: str, target_id: str, rank: int, hidden: int, report: dict[str, Any],
+               out_name: str) -> str:
+    """README.md with Hub metadata, what was done, the numbers, and how to serve it."""
+    energy = report.get("energy_kept")
+    err = report.get("relative_frobenius_error")
+    flops = report.get("head_flop_ratio")
+    lines = [
+        "---",
+        f"base_model: {drafter_id}",
+        "tags:",
+        "- speculative-decoding",
+        "- eagle3",
+        "- slimspec",
+        "library_name: vllm",
+        "---",
+        "",
+        f"# {out_name}",
+        "",
+        f"An EAGLE-3 drafter for `{target_id}` whose LM head was replaced by SlimSpec's low-rank pair",
+        f"`W_up (V x {rank}) @ W_down ({rank} x {hidden})` (rank r = {rank} = d/{hidden / rank:.3g}),",
+        f"initialised from an SVD of the head of `{drafter_id}`.",
+        "",
+        "| quantity | value |",
+        "|---|---|",
+        f"| rank | {rank} |",
+        f"| head vocabulary | {report.get('head_vocab')} ({report.get('vocab_mode')}) |",
+        f"| energy kept | {energy:.4f} |" if energy is not None else "| energy kept | - |",
+        f"| relative Frobenius error | {err:.4f} |" if err is not None else "| relative Frobenius error | - |",
+        f"| head FLOP ratio | {flops:.4f} |" if flops is not None else "| head FLOP ratio | - |",
+        "",
+        "## Serve with vLLM",
+        "",
+        "```bash",
+        "pip install 'slimspec[vllm]'",
+        f"vllm serve {target_id} --speculative-config "
+        f"'{{\"method\":\"eagle3\",\"model\":\"{out_name}\",\"num_speculative_tokens\":3}}'",
+        "```",
+        "",
+        "The `slimspec` plugin registers the low-rank head with vLLM; without it vLLM refuses this",
+        "checkpoint (unknown architecture) rather than run a randomly initialised head.",
+        "",
+        "Made with [SlimSpec](https://arxiv.org/abs/2605.10453)-style conversion by the `slimspec` tool;",
+        "`slimspec.json` records the sources (with sha256), the settings and the measured numbers.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """safetensors file with contiguous, unshared tensors."""
+    save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(path),
+              metadata=metadata or {"format": "pt"})
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def check_output_free(out: Path, overwrite: bool) -> None:
+    """Refuse an existing output (before any work) unless overwriting."""
+    if out.exists() and not overwrite:
+        raise SlimSpecError(f"{out} already exists (use --overwrite to replace it)")
+    if out.exists() and not out.is_dir():
+        raise SlimSpecError(f"{out} exists and is not a folder")
+
+
+@contextlib.contextmanager
+def atomic_folder(out: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces ``out``, on failure it is removed.
+
+    A reader never sees a half-written ``out``: it is either absent, the old one, or complete.
+    """
+    check_output_free(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,116 @@
+"""Optimal rank-r factorisation of an LM head without a full SVD of the V x d matrix.
+
+Eckart-Young: the best rank-r approximation in Frobenius norm keeps the top r singular triplets.
+For V >> d they come cheaper from the d x d Gram matrix ``G = W^T W = V S^2 V^T``: accumulate G over
+row chunks (never a float64 copy of W), take its top-r eigenpairs in float64, then
+``W_up = W V_r S_r^{-1/2}`` and ``W_down = S_r^{1/2} V_r^T`` (sqrt of S split across both factors).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.linalg
+import torch
+from scipy.linalg import blas
+
+DEFAULT_CHUNK_ROWS = 16384
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    return torch.float64 if weight.dtype == torch.float64 else torch.float32
+
+
+def gram_matrix(weight: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+    """``W^T W`` in float64, accumulated over row chunks of float32 (or float64) products.
+
+    Each chunk's product is a BLAS ``syrk`` (upper triangle only: half the FLOPs of a GEMM).
+    """
+    dtype = _compute_dtype(weight)
+    syrk = blas.dsyrk if dtype == torch.float64 else blas.ssyrk
+    d = weight.shape[1]
+    upper = np.zeros((d, d), dtype=np.float64)
+    for start in range(0, weight.shape[0], chunk_rows):
+        chunk = weight[start:start + chunk_rows].to(dtype).contiguous().numpy()
+        # A C-contiguous chunk [n, d] is a Fortran [d, n] matrix: syrk(trans=0) gives chunk^T chunk.
+        upper += syrk(1.0, chunk.T, trans=0, lower=0)
+    upper = np.triu(upper)
+    return torch.from_numpy(upper + np.triu(upper, 1).T)
+
+
+def squared_singular_values(gram: torch.Tensor) -> torch.Tensor:
+    """All squared singular values of W (eigenvalues of its Gram matrix), descending, float64."""
+    values = scipy.linalg.eigh(gram.numpy(), eigvals_only=True, check_finite=False)
+    return torch.from_numpy(np.clip(values[::-1].copy(), 0.0, None))
+
+
+def top_eigenpairs(gram: torch.Tensor, rank: int, *, mixed_from: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``rank`` largest eigenvalues (descending) and eigenvectors ``[d, rank]`` of a Gram matrix.
+
+    Below ``d = mixed_from`` a float64 LAPACK solve of just those eigenpairs. From there on (where the
+    float64 tridiagonal reduction dominates the cost) a float32 solve of ``rank + p`` eigenpairs gives
+    a starting basis, refined in float64 by one subspace-iteration step and a Rayleigh-Ritz solve.
+    """
+    d = gram.shape[0]
+    if d < mixed_from:
+        values, vectors = scipy.linalg.eigh(
+            gram.numpy(), subset_by_index=[d - rank, d - 1], driver="evx", check_finite=False
+        )
+        values, vectors = torch.from_numpy(values), torch.from_numpy(vectors)
+    else:
+        k = min(d, rank + max(16, rank // 8))
+        _, start = scipy.linalg.eigh(
+            gram.numpy().astype(np.float32), subset_by_index=[d - k, d - 1], driver="evx", check_finite=False
+        )
+        basis, _ = torch.linalg.qr(gram @ torch.from_numpy(start).double())
+        ritz_values, ritz_vectors = torch.linalg.eigh(basis.T @ gram @ basis)
+        values, vectors = ritz_values[k - rank:], basis @ ritz_vectors[:, k - rank:]
+    order = torch.argsort(values, descending=True)
+    return values[order].clamp_min(0.0), vectors[:, order].contiguous()
+
+
+def factorize(
+    weight: torch.Tensor,
+    rank: int,
+    *,
+    gram: torch.Tensor | None = None,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best rank-``rank`` factors ``(w_up [V, r], w_down [r, d])`` of ``weight [V, d]``, in its dtype.
+
+    ``w_up @ w_down`` is the Eckart-Young optimum; sqrt of the singular values goes to each factor.
+    Pass a precomputed ``gram`` (from :func:`gram_matrix`) to avoid recomputing it.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D, got shape {list(weight.shape)}")
+    rows, d = weight.shape
+    if not 0 < rank <= min(rows, d):
+        raise ValueError(f"rank must be in 1..{min(rows, d)}, got {rank}")
+    if gram is None:
+        gram = gram_matrix(weight, chunk_rows)
+    values, vectors = top_eigenpairs(gram, rank)
+    sigma = values.sqrt()
+    root = sigma.sqrt()
+    tiny = float(sigma.max()) * torch.finfo(torch.float64).eps * max(rows, d)
+    inv_root = torch.where(sigma > tiny, 1.0 / root.clamp_min(1e-300), torch.zeros_like(root))
+    dtype = _compute_dtype(weight)
+    right = (vectors * inv_root).to(dtype)  # [d, r]
+    w_up = torch.empty(rows, rank, dtype=dtype)
+    for start in range(0, rows, chunk_rows):
+        w_up[start:start + chunk_rows] = weight[start:start + chunk_rows].to(dtype) @ right
+    w_down = (root[:, None] * vectors.T).to(dtype)
+    return w_up.to(weight.dtype), w_down.to(weight.dtype)
+
+
+def relative_error(
+    weight: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS
+) -> float:
+    """``||W - W_up W_down||_F / ||W||_F``, computed in row chunks."""
+    dtype = _compute_dtype(weight)
+    err = total = 0.0
+    down = w_down.to(dtype)
+    for start in range(0, weight.shape[0], chunk_rows):
+        chunk = weight[start:start + chunk_rows].to(dtype)
+        diff = chunk - w_up[start:start + chunk_rows].to(dtype) @ down
+        err += float(diff.double().pow(2).sum())
+        total += float(chunk.double().pow(2).sum())
+    return (err / total) ** 0.5 if total > 0 else 0.0

@@ -1,0 +1,271 @@
+"""The convert pipeline: drafter + target -> SlimSpec low-rank drafter folder."""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from slimspec.checkpoint.drafter import LOWRANK_DOWN, DrafterCheckpoint, load_drafter
+from slimspec.checkpoint.files import sha256_file
+from slimspec.checkpoint.target import TargetHead, load_target_head
+from slimspec.checkpoint.writer import (
+    atomic_folder,
+    check_output_free,
+    drafter_config_json,
+    model_card,
+    save_tensors,
+    write_json,
+)
+from slimspec.convert.factorize import factorize, gram_matrix, relative_error, squared_singular_values
+from slimspec.convert.rank import parse_rank
+from slimspec.errors import CheckpointError, SlimSpecError
+from slimspec.progress import Stages
+
+VocabMode = Literal["full", "draft"]
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+NOT_CARRIED = ("lm_head.weight", LOWRANK_DOWN, "d2t", "t2d")
+
+
+@dataclass
+class ConvertResult:
+    """Where the converted drafter went and what was measured on the way."""
+
+    out: Path
+    rank: int
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+def model_name(spec: str) -> str:
+    """Short name of a model argument, for default output folders: last path or id component."""
+    return spec.rstrip("/").split(":")[-1].split("/")[-1] or "drafter"
+
+
+def validate_against_target(ckpt: DrafterCheckpoint, target: TargetHead) -> None:
+    """Refuse a drafter whose shapes or vocabulary disagree with the target."""
+    cfg = ckpt.config
+    if cfg.vocab_size != target.vocab_size:
+        raise CheckpointError(
+            f"vocab size mismatch: the drafter is for a vocabulary of {cfg.vocab_size} tokens, "
+            f"the target's head has {target.vocab_size}"
+        )
+    t2d = ckpt.tensors.get("t2d")
+    if t2d is not None and t2d.numel() != target.vocab_size:
+        raise CheckpointError(
+            f"vocab size mismatch: t2d covers {t2d.numel()} tokens, the target has {target.vocab_size}"
+        )
+    if cfg.target_hidden_size != target.hidden_size:
+        raise CheckpointError(
+            f"shape mismatch: the drafter's fc expects target hidden states of width {cfg.target_hidden_size}, "
+            f"the target's hidden size is {target.hidden_size}"
+        )
+
+
+def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: VocabMode) -> tuple[torch.Tensor, int]:
+    """The float32 head to factorise and how many of its rows came from the drafter's own head.
+
+    ``full``: one row per target token; tokens of the draft vocab take the drafter's rows (mapped
+    through d2t), the rest the target's head. ``draft``: the drafter's own head (or the target's rows
+    for its draft vocab when it shares the target's head).
+    """
+    head = ckpt.head_weight()
+    cfg = ckpt.config
+    if vocab == "draft":
+        if head is not None:
+            return head.float().clone(), head.shape[0]
+        if target is None:
+            raise SlimSpecError("the drafter has no LM head of its own: --target is needed to factorise the target's")
+        return target.weight[ckpt.draft_to_target_ids()].float().clone(), 0
+    if target is None:
+        raise SlimSpecError("--vocab full needs --target (rows outside the draft vocab come from the target's head)")
+    if cfg.hidden_size != target.hidden_size:
+        raise SlimSpecError(
+            f"--vocab full needs drafter hidden ({cfg.hidden_size}) == target hidden ({target.hidden_size}); "
+            "use --vocab draft to keep the draft vocabulary"
+        )
+    weight = target.weight.float().clone()
+    if head is None:
+        return weight, 0
+    weight[ckpt.draft_to_target_ids()] = head.float()
+    return weight, head.shape[0]
+
+
+def _versions() -> dict[str, str]:
+    import safetensors
+
+    from slimspec import __version__
+
+    versions = {"slimspec": __version__, "torch": torch.__version__, "safetensors": safetensors.__version__,
+                "python": platform.python_version()}
+    try:
+        import transformers
+
+        versions["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return versions
+
+
+def convert(
+    drafter: str | Path,
+    target: str | Path | None = None,
+    rank: str | int = "d/8",
+    *,
+    vocab: VocabMode = "full",
+    out: str | Path | None = None,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    revision: str | None = None,
+    progress: bool = True,
+    verify_samples: int = 16,
+) -> ConvertResult:
+    """Convert an EAGLE-3 drafter (Hub id, folder or ``embedded:`` name) to a SlimSpec low-rank head.
+
+    Returns the output folder, the resolved rank and the report also written to ``slimspec.json``.
+    """
+    from slimspec import embedded
+    from slimspec.hub import resolve_model
+
+    if vocab not in ("full", "draft"):
+        raise SlimSpecError(f"--vocab must be 'full' or 'draft', got {vocab!r}")
+    if isinstance(dtype, str):
+        if dtype.lower() not in DTYPES:
+            raise SlimSpecError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
+        dtype = DTYPES[dtype.lower()]
+    if out is not None:
+        check_output_free(Path(out), overwrite)
+    stages = Stages(progress)
+    started = time.perf_counter()
+    drafter = str(drafter)
+    with stages.stage("load_drafter", f"reading drafter {drafter}"):
+        drafter_path = resolve_model(drafter, "drafter", revision)
+        ckpt = load_drafter(drafter_path)
+    if target is None and embedded.is_embedded(drafter):
+        target = embedded.EMBEDDED_TARGET
+    target_head = None
+    if target is not None:
+        target = str(target)
+        with stages.stage("load_target", f"reading target head {target}"):
+            target_path = resolve_model(target, "target", revision)
+            target_head = load_target_head(target_path)
+        validate_against_target(ckpt, target_head)
+    cfg = ckpt.config
+    stages.say(f"layout {ckpt.layout}: hidden {cfg.hidden_size}, draft vocab {cfg.draft_vocab_size} "
+               f"of {cfg.vocab_size}, head {'low-rank' if ckpt.is_lowrank else 'own' if ckpt.has_head else 'shared'}")
+
+    weight, rows_from_drafter = stitched_head(ckpt, target_head, vocab)
+    hidden = weight.shape[1]
+    needs_spectrum = str(rank).strip().startswith("energy:")
+    r = None if needs_spectrum else parse_rank(rank, hidden)
+    if out is None and r is not None:
+        out = Path(f"{model_name(drafter)}-slimspec-r{r}")
+        check_output_free(out, overwrite)
+    with stages.stage("gram", f"Gram matrix of the {weight.shape[0]}x{hidden} head"):
+        gram = gram_matrix(weight)
+    with stages.stage("spectrum", "singular values"):
+        s2 = squared_singular_values(gram)
+    if r is None:
+        r = parse_rank(rank, hidden, s2)
+        if out is None:
+            out = Path(f"{model_name(drafter)}-slimspec-r{r}")
+        check_output_free(Path(out), overwrite)
+    out = Path(out)
+    with stages.stage("factorize", f"rank-{r} factors"):
+        w_up, w_down = factorize(weight, r, gram=gram)
+    with stages.stage("error", "reconstruction error"):
+        rel_err = relative_error(weight, w_up, w_down)
+    energy = float(s2[:r].sum() / s2.sum()) if float(s2.sum()) > 0 else 1.0
+    source_rows = ckpt.head_weight().shape[0] if ckpt.has_head else weight.shape[0]
+    out_dtype = dtype or ckpt.dtype
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        out_dtype = torch.float32
+    head_vocab = weight.shape[0]
+
+    tensors = {k: v.to(out_dtype) if v.is_floating_point() else v for k, v in ckpt.tensors.items()
+               if k not in NOT_CARRIED}
+    tensors["lm_head.weight"] = w_up.to(out_dtype)
+    tensors[LOWRANK_DOWN] = w_down.to(out_dtype)
+    if vocab == "draft" and head_vocab != cfg.vocab_size:
+        tensors["d2t"] = (ckpt.draft_to_target_ids() - torch.arange(head_vocab)).long()
+
+    report: dict[str, Any] = {
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "source": {
+            "drafter": drafter,
+            "drafter_layout": ckpt.layout,
+            "drafter_files": ckpt.file_hashes(),
+            "dropped_tensors": ckpt.dropped,
+            "target": target,
+            "target_head_tensor": target_head.tensor_name if target_head else None,
+            "target_head_file": (_head_file_hash(target_head) if target_head else None),
+        },
+        "rank": r,
+        "rank_spec": str(rank),
+        "vocab_mode": vocab,
+        "head_vocab": head_vocab,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": hidden,
+        "rows_from_drafter": rows_from_drafter,
+        "rows_from_target": head_vocab - rows_from_drafter,
+        "energy_kept": energy,
+        "relative_frobenius_error": rel_err,
+        "head_params_source": source_rows * hidden,
+        "head_params": r * hidden + head_vocab * r,
+        "head_flop_ratio": (r * hidden + head_vocab * r) / (source_rows * hidden),
+        "dtype": str(out_dtype).removeprefix("torch."),
+        "versions": _versions(),
+    }
+    meta = {"version": report["versions"]["slimspec"], "vocab_mode": vocab, "source_drafter": drafter,
+            "source_layout": ckpt.layout, "target": target}
+    config = drafter_config_json(cfg, rank=r, head_vocab=head_vocab, dtype=out_dtype, slimspec_meta=meta)
+
+    with atomic_folder(out, overwrite) as tmp:
+        with stages.stage("write", f"writing {out}"):
+            save_tensors(tmp / "model.safetensors", tensors)
+            write_json(tmp / "config.json", config)
+            (tmp / "README.md").write_text(model_card(
+                drafter_id=drafter, target_id=target or "TARGET", rank=r, hidden=hidden, report=report,
+                out_name=out.name))
+        with stages.stage("verify", "reloading and checking logits"):
+            report["verification"] = verify_folder(tmp, tensors, weight, samples=verify_samples)
+        report["timings"] = {**{k: round(v, 3) for k, v in stages.timings.items()},
+                             "total": round(time.perf_counter() - started, 3)}
+        write_json(tmp / "slimspec.json", report)
+    stages.say(f"wrote {out} (rank {r}, energy kept {energy:.4f}, head FLOP ratio {report['head_flop_ratio']:.3f})")
+    return ConvertResult(out=out, rank=r, report=report)
+
+
+def _head_file_hash(target: TargetHead) -> dict[str, str] | None:
+    from slimspec.checkpoint.files import weight_map
+
+    path = weight_map(target.source).get(target.tensor_name)
+    return {path.name: sha256_file(path)} if path is not None else None
+
+
+def verify_folder(folder: Path, tensors: dict[str, torch.Tensor], weight: torch.Tensor, samples: int) -> dict:
+    """Reload ``folder`` and check its factors give the in-memory logits on random hidden states."""
+    reloaded = load_drafter(folder)
+    for name, tensor in tensors.items():
+        if name not in reloaded.tensors or not torch.equal(reloaded.tensors[name], tensor):
+            raise SlimSpecError(f"verification failed: {name} did not survive the round trip")
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(samples, weight.shape[1], generator=gen)
+    up, down = tensors["lm_head.weight"].float(), tensors[LOWRANK_DOWN].float()
+    expected = hidden @ down.T @ up.T
+    got = hidden @ reloaded.tensors[LOWRANK_DOWN].float().T @ reloaded.tensors["lm_head.weight"].float().T
+    diff = float((expected - got).abs().max())
+    # Tensors are bit-identical (checked above); BLAS may still round differently on other alignments.
+    if not diff <= 1e-5 * max(float(expected.abs().max()), 1e-30):
+        raise SlimSpecError(f"verification failed: reloaded logits differ by {diff}")
+    full = hidden @ weight.T
+    rel = float((full - expected).norm() / full.norm())
+    agree = float((full.argmax(-1) == expected.argmax(-1)).float().mean())
+    return {"samples": samples, "max_abs_reload_diff": diff, "relative_logit_error_vs_full": rel,
+            "argmax_agreement_vs_full": agree}

@@ -1,0 +1,73 @@
+"""Resolve a model argument (embedded name, local folder or Hub id) to a local folder.
+
+Downloads fetch only what conversion needs: for a drafter its config and weights, for a target its
+config, tokenizer and the one shard that holds the LM head (or the tied embedding), found through
+``model.safetensors.index.json``; never the whole target.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Literal
+
+from slimspec.errors import CheckpointError
+
+Role = Literal["drafter", "target"]
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+DRAFTER_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
+                    "pytorch_model.bin.index.json"]
+TARGET_META_PATTERNS = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
+                        "*.jinja", "vocab.json", "merges.txt", "model.safetensors.index.json",
+                        "pytorch_model.bin.index.json"]
+
+
+def _snapshot(repo_id: str, patterns: list[str], revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, revision=revision))
+    except Exception as exc:  # network, auth, missing repo: all one line for the user
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"cannot download {repo_id!r} from the Hub: {first}") from None
+
+
+def target_weight_patterns(folder: Path) -> list[str]:
+    """The weight files of a downloaded target folder that hold its LM head or tied embedding."""
+    from slimspec.checkpoint.target import head_tensor_candidates, text_config
+
+    config_path = folder / "config.json"
+    config = text_config(json.loads(config_path.read_text())) if config_path.exists() else {}
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.exists():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            for name in head_tensor_candidates(config):
+                if name in weight_map:
+                    return [weight_map[name]]
+            raise CheckpointError(f"{index}: names no lm_head or embedding tensor")
+    return ["model.safetensors", "pytorch_model.bin"]
+
+
+def resolve_model(name: str, role: Role, revision: str | None = None) -> Path:
+    """Local folder for ``name``: an ``embedded:`` model, an existing folder, or a Hub id."""
+    from slimspec import embedded
+
+    if embedded.is_embedded(name):
+        try:
+            return embedded.resolve_embedded(name)
+        except (ValueError, FileNotFoundError, RuntimeError) as exc:
+            raise CheckpointError(str(exc)) from None
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"{name}: expected a folder, got a file")
+        return path
+    if not HUB_ID.match(name) or name.startswith((".", "/", "~")):
+        raise CheckpointError(f"{name}: no such folder, and not a Hub id (owner/name)")
+    if role == "drafter":
+        return _snapshot(name, DRAFTER_PATTERNS, revision)
+    folder = _snapshot(name, TARGET_META_PATTERNS, revision)
+    return _snapshot(name, TARGET_META_PATTERNS + target_weight_patterns(folder), revision)

@@ -1,0 +1,139 @@
+"""convert end to end on tiny folders of every layout: output format, numbers, round trip, CLI."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+import slimspec
+from slimspec.checkpoint import load_drafter
+from slimspec.cli import main
+from tests.layouts import LAYOUTS, Spec, write_drafter, write_target
+
+
+def _svd_error(weight: torch.Tensor, rank: int) -> float:
+    s = torch.linalg.svdvals(weight.double())
+    return float((s[rank:] ** 2).sum().sqrt() / (s ** 2).sum().sqrt())
+
+
+def _stitched(written, target_head):
+    full = target_head.float().clone()
+    ids = torch.arange(written["lm_head.weight"].shape[0]) + written["d2t"]
+    full[ids] = written["lm_head.weight"].float()
+    return full
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_convert_full_vocab_every_layout(tmp_path, layout):
+    """Catches wrong stitching (d2t mapping, rows from the target), wrong names for vLLM, lost tensors."""
+    written = write_drafter(tmp_path / "d", layout, Spec())
+    head = write_target(tmp_path / "t", tied=layout != "speculators", sharded=layout == "modelopt")
+    res = slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), "d/4", out=tmp_path / "o", progress=False)
+    assert res.rank == 8
+    with safe_open(str(tmp_path / "o" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        up, down = f.get_tensor("lm_head.weight"), f.get_tensor("lm_head_down.weight")
+    assert up.shape == (301, 8) and down.shape == (8, 32)
+    assert "d2t" not in names and "t2d" not in names
+    head_names = {n for n in names if "head" in n}
+    assert head_names == {"lm_head.weight", "lm_head_down.weight"}  # vLLM: head tensors must say lm_head
+    carried = {k for k in written if k not in ("lm_head.weight", "d2t", "t2d")}
+    assert names - head_names == carried
+    full = _stitched(written, head)
+    err = float(torch.linalg.norm(full - up @ down) / torch.linalg.norm(full))
+    assert abs(err - _svd_error(full, 8)) < 1e-5
+    assert abs(res.report["relative_frobenius_error"] - err) < 1e-5
+    assert res.report["rows_from_drafter"] == 97 and res.report["rows_from_target"] == 204
+    cfg = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert cfg["architectures"][0].startswith("Eagle3") and cfg["architectures"][0] != "Eagle3LlamaForCausalLM"
+    assert cfg["draft_vocab_size"] == cfg["vocab_size"] == 301 and cfg["slimspec"]["rank"] == 8
+    assert cfg["norm_before_residual"] == (layout == "speculators")
+    meta = json.loads((tmp_path / "o" / "slimspec.json").read_text())
+    assert meta["rank"] == 8 and meta["source"]["drafter_layout"] == layout
+    assert all(len(h) == 64 for h in meta["source"]["drafter_files"].values())
+    assert abs(meta["head_flop_ratio"] - (8 * 32 + 301 * 8) / (97 * 32)) < 1e-12
+    assert (tmp_path / "o" / "README.md").read_text().startswith("---\nbase_model:")
+    assert not list(tmp_path.glob(".o.tmp-*"))
+    reloaded = load_drafter(tmp_path / "o")
+    assert reloaded.layout == "slimspec" and reloaded.rank == 8 and reloaded.config.vocab_size == 301
+
+
+def test_draft_vocab_keeps_d2t(tmp_path):
+    """Catches --vocab draft dropping or corrupting d2t (frequency-ordered ModelOpt source)."""
+    written = write_drafter(tmp_path / "d", "modelopt", Spec())
+    write_target(tmp_path / "t")
+    slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 5, vocab="draft", out=tmp_path / "o", progress=False)
+    with safe_open(str(tmp_path / "o" / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("d2t"), written["d2t"])
+        up, down = f.get_tensor("lm_head.weight"), f.get_tensor("lm_head_down.weight")
+    w = written["lm_head.weight"].float()
+    assert abs(float(torch.linalg.norm(w - up @ down) / torch.linalg.norm(w)) - _svd_error(w, 5)) < 1e-5
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["draft_vocab_size"] == 97
+
+
+def test_headless_modelopt_factorises_target_head(tmp_path):
+    write_drafter(tmp_path / "d", "modelopt", Spec(no_head=True, draft_vocab=None))
+    head = write_target(tmp_path / "t", tied=False)
+    res = slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 4, out=tmp_path / "o", progress=False)
+    assert res.report["rows_from_drafter"] == 0
+    assert abs(res.report["relative_frobenius_error"] - _svd_error(head, 4)) < 1e-5
+
+
+def test_dtype_energy_rank_and_default_out(tmp_path, monkeypatch):
+    write_drafter(tmp_path / "my-drafter", "eagle", Spec(dtype=torch.float16))
+    write_target(tmp_path / "t")
+    monkeypatch.chdir(tmp_path)
+    res = slimspec.convert("my-drafter", "t", "energy:0.5", progress=False)
+    assert res.out.name == f"my-drafter-slimspec-r{res.rank}"
+    assert res.report["energy_kept"] >= 0.5 and res.report["dtype"] == "float16"
+    with safe_open(str(res.out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.float16
+    res2 = slimspec.convert("my-drafter", "t", "d/8", dtype="fp32", out="x", progress=False)
+    assert res2.report["dtype"] == "float32"
+
+
+def test_overwrite_replaces(tmp_path):
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    write_target(tmp_path / "t")
+    slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 4, out=tmp_path / "o", progress=False)
+    res = slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 6, out=tmp_path / "o", overwrite=True,
+                           progress=False)
+    assert load_drafter(tmp_path / "o").rank == 6 == res.rank
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "o", "t"]
+
+
+def test_cli_json(tmp_path):
+    write_drafter(tmp_path / "d", "specforge", Spec())
+    write_target(tmp_path / "t")
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--target", str(tmp_path / "t"),
+                                       "--rank", "d/8", "--out", str(tmp_path / "o"), "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["rank"] == 4 and report["out"] == str(tmp_path / "o")
+    assert report["verification"]["max_abs_reload_diff"] < 1e-5
+
+
+def test_cli_human_report_and_inspect(tmp_path):
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    write_target(tmp_path / "t")
+    runner = CliRunner()
+    result = runner.invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tmp_path / "t"), "-o",
+                                  str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert "energy kept" in result.stdout and "head FLOP ratio" in result.stdout
+    png = tmp_path / "energy.png"
+    result = runner.invoke(main, ["inspect", str(tmp_path / "d"), "--target", str(tmp_path / "t"), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert "layout         eagle" in result.stdout and "32.2% of the target vocabulary" in result.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    info = json.loads(runner.invoke(main, ["inspect", str(tmp_path / "d"), "-t", str(tmp_path / "t"),
+                                           "--json"]).stdout)
+    w = torch.linalg.svdvals(_head(tmp_path))
+    expected = float((w[:8] ** 2).sum() / (w ** 2).sum())
+    assert abs(info["energy"]["draft vocab head"]["d/4"] - expected) < 1e-6
+
+
+def _head(tmp_path):
+    return load_drafter(tmp_path / "d").tensors["lm_head.weight"].double()

@@ -1,0 +1,105 @@
+"""Factorisation against a float64 torch.linalg.svd reference (Eckart-Young optimum)."""
+
+import pytest
+import torch
+
+from slimspec.convert.factorize import factorize, gram_matrix, relative_error, squared_singular_values
+
+
+def _reference(weight: torch.Tensor, rank: int) -> torch.Tensor:
+    u, s, vh = torch.linalg.svd(weight.double(), full_matrices=False)
+    return (u[:, :rank] * s[:rank]) @ vh[:rank]
+
+
+def _decaying(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(0, -2, cols, dtype=torch.float64)
+    return torch.randn(rows, cols, generator=g, dtype=torch.float64) * scales
+
+
+@pytest.mark.parametrize(("rows", "cols", "rank"), [(257, 48, 1), (1001, 64, 7), (333, 40, 39), (129, 96, 12)])
+def test_error_equals_svd_optimum(rows, cols, rank):
+    """Catches a factorisation that is not the Eckart-Young optimum (wrong eigenvectors, order, scaling)."""
+    w = _decaying(rows, cols)
+    up, down = factorize(w, rank)
+    assert up.shape == (rows, rank) and down.shape == (rank, cols)
+    ours = torch.linalg.norm(w - up @ down)
+    ref = torch.linalg.norm(w - _reference(w, rank))
+    assert abs(float(ours - ref)) <= 1e-6 * float(ref)
+    assert torch.allclose(up @ down, _reference(w, rank), atol=1e-10, rtol=0)
+
+
+def test_sqrt_sigma_split_across_factors():
+    """Catches all of Sigma landing in one factor: both factors must carry sqrt(Sigma)."""
+    w = _decaying(200, 32, seed=3)
+    up, down = factorize(w, 8)
+    s = torch.linalg.svdvals(w)[:8]
+    assert torch.allclose(down.norm(dim=1), s.sqrt(), rtol=1e-8)
+    assert torch.allclose(up.norm(dim=0), s.sqrt(), rtol=1e-8)
+
+
+def test_float32_and_low_precision_inputs():
+    """Catches precision loss: fp32 input keeps fp32 factors whose error matches the float64 optimum."""
+    w64 = _decaying(3001, 64, seed=1)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5)):
+        w = w64.to(dtype)
+        up, down = factorize(w, 16)
+        assert up.dtype == dtype and down.dtype == dtype
+        ref_err = torch.linalg.norm(w.double() - _reference(w.double(), 16)) / torch.linalg.norm(w.double())
+        err = relative_error(w.float(), up.float(), down.float())
+        assert abs(err - float(ref_err)) <= max(tol, 1e-2 * float(ref_err) if dtype == torch.bfloat16 else 0)
+
+
+def test_rank_deficient_matrix():
+    """Catches division by zero singular values: exact low-rank input is reproduced, no NaN."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(100, 3, generator=g, dtype=torch.float64) @ torch.randn(3, 20, generator=g, dtype=torch.float64)
+    up, down = factorize(w, 6)
+    assert torch.isfinite(up).all() and torch.isfinite(down).all()
+    assert torch.allclose(up @ down, w, atol=1e-9)
+
+
+def test_chunking_does_not_change_result():
+    """Catches chunk-boundary bugs: V not a multiple of the chunk gives the same Gram and factors."""
+    w = _decaying(1003, 24, seed=4)
+    assert torch.allclose(gram_matrix(w, chunk_rows=100), w.T @ w, rtol=1e-12)
+    up1, down1 = factorize(w, 5, chunk_rows=7)
+    up2, down2 = factorize(w, 5, chunk_rows=4096)
+    assert torch.allclose(up1 @ down1, up2 @ down2, atol=1e-12)
+
+
+def test_singular_values_descending_and_match_svd():
+    w = _decaying(300, 40, seed=5)
+    s2 = squared_singular_values(gram_matrix(w))
+    assert torch.all(s2[:-1] >= s2[1:])
+    assert torch.allclose(s2.sqrt(), torch.linalg.svdvals(w), rtol=1e-7, atol=1e-9)
+
+
+def test_bad_rank():
+    with pytest.raises(ValueError):
+        factorize(torch.randn(10, 4), 0)
+    with pytest.raises(ValueError):
+        factorize(torch.randn(10, 4), 5)
+
+
+def test_public_api():
+    """slimspec.factorize is the documented entry point."""
+    import slimspec
+
+    up, down = slimspec.factorize(_decaying(50, 10), 3)
+    assert up.shape == (50, 3) and down.shape == (3, 10)
+
+
+def test_mixed_precision_eigensolver_matches_svd():
+    """Catches the large-d path (float32 start + float64 Rayleigh-Ritz) losing the optimum."""
+    from slimspec.convert.factorize import top_eigenpairs
+
+    w = _decaying(2500, 1100, seed=6)
+    gram = gram_matrix(w)
+    exact_vals, exact_vecs = top_eigenpairs(gram, 90, mixed_from=10**9)
+    mixed_vals, mixed_vecs = top_eigenpairs(gram, 90, mixed_from=1)
+    assert torch.allclose(mixed_vals, exact_vals, rtol=1e-10)
+    up, down = factorize(w, 90)  # d = 1100 takes the mixed path by default
+    ours = torch.linalg.norm(w - up @ down)
+    ref = torch.linalg.norm(w - _reference(w, 90))
+    assert abs(float(ours - ref)) <= 1e-9 * float(ref)

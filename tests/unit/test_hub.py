@@ -1,0 +1,84 @@
+"""Hub downloads fetch only what conversion needs (checked with a fake Hub on local folders)."""
+
+import fnmatch
+import json
+import shutil
+
+import pytest
+import torch
+
+import slimspec
+from slimspec.errors import CheckpointError
+from slimspec.hub import resolve_model
+from tests.layouts import Spec, write_drafter, write_target
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """Repos under tmp/hub/<owner>/<name>; snapshot_download copies the files matching allow_patterns."""
+    import huggingface_hub
+
+    hub, cache = tmp_path / "hub", tmp_path / "cache"
+    calls = []
+
+    def snapshot_download(repo_id, allow_patterns=None, revision=None, **kwargs):
+        calls.append((repo_id, list(allow_patterns or []), revision))
+        src = hub / repo_id
+        if not src.exists():
+            raise huggingface_hub.errors.RepositoryNotFoundError(f"404 Client Error: {repo_id} not found")
+        dst = cache / repo_id.replace("/", "--")
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if allow_patterns is None or any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, dst / f.name)
+        return str(dst)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return hub, calls
+
+
+def test_target_downloads_only_the_head_shard(fake_hub, tmp_path):
+    """Catches downloading a whole target (16 GB to read one tensor)."""
+    hub, calls = fake_hub
+    head = write_target(hub / "org" / "big-target", sharded=True, tied=False)
+    (hub / "org" / "big-target" / "tokenizer.json").write_text("{}")
+    folder = resolve_model("org/big-target", "target")
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["config.json", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+                     "tokenizer.json"]
+    assert all("*.safetensors" not in patterns for _, patterns, _ in calls)
+    from slimspec.checkpoint import load_target_head
+
+    assert torch.equal(load_target_head(folder).weight, head)
+
+
+def test_tied_target_downloads_the_embedding_shard(fake_hub):
+    hub, _ = fake_hub
+    write_target(hub / "org" / "tied", sharded=True, tied=True)
+    index = json.loads((hub / "org" / "tied" / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.embed_tokens.weight"]
+    folder = resolve_model("org/tied", "target", revision="main")
+    assert (folder / shard).exists()
+    assert len(list(folder.glob("*.safetensors"))) == 1
+
+
+def test_drafter_download_and_convert_by_hub_id(fake_hub, tmp_path):
+    hub, calls = fake_hub
+    write_drafter(hub / "yuhuili" / "EAGLE3-Tiny", "eagle", Spec())
+    (hub / "yuhuili" / "EAGLE3-Tiny" / "training_log.txt").write_text("not needed")
+    write_target(hub / "org" / "target")
+    res = slimspec.convert("yuhuili/EAGLE3-Tiny", "org/target", "d/8", out=tmp_path / "o", progress=False)
+    assert res.report["source"]["drafter"] == "yuhuili/EAGLE3-Tiny"
+    assert calls[0][0] == "yuhuili/EAGLE3-Tiny"
+    assert not any(p.name == "training_log.txt" for p in (tmp_path / "cache").rglob("*"))
+
+
+def test_missing_repo_is_one_clear_error(fake_hub):
+    with pytest.raises(CheckpointError, match="cannot download 'org/missing'"):
+        resolve_model("org/missing", "drafter")
+
+
+@pytest.mark.parametrize("name", ["./not-here", "a/b/c", "no_slash_here"])
+def test_not_a_folder_nor_hub_id(name):
+    with pytest.raises(CheckpointError, match="no such folder"):
+        resolve_model(name, "drafter")

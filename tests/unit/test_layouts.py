@@ -1,0 +1,102 @@
+"""Every published EAGLE-3 layout loads into the same canonical form, tensor for tensor."""
+
+import pickle
+
+import pytest
+import torch
+
+from slimspec.checkpoint import load_drafter
+from slimspec.errors import CheckpointError
+from tests.layouts import LAYOUTS, Spec, write_drafter
+
+
+def _assert_same(ckpt, written):
+    expected = {k: v for k, v in written.items()}
+    assert set(ckpt.tensors) == set(expected), set(ckpt.tensors) ^ set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(ckpt.tensors[name], tensor), name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_layout_loads(tmp_path, layout):
+    """Catches a layout whose names or config the reader misses."""
+    spec = Spec(dtype=torch.float16 if layout == "eagle" else torch.bfloat16)
+    written = write_drafter(tmp_path / layout, layout, spec)
+    ckpt = load_drafter(tmp_path / layout)
+    assert ckpt.layout == layout
+    _assert_same(ckpt, written)
+    cfg = ckpt.config
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size) == (32, 301, 97)
+    assert cfg.target_hidden_size == 32 and cfg.head_dim == 8
+    ids = ckpt.draft_to_target_ids()
+    assert ids.unique().numel() == 97 and int(ids.max()) < 301
+
+
+def test_eagle_drops_stray_keys_and_keeps_fp16(tmp_path):
+    write_drafter(tmp_path / "d", "eagle", Spec(dtype=torch.float16))
+    ckpt = load_drafter(tmp_path / "d")
+    assert ckpt.dropped == ["midlayer.self_attn.rotary_emb.inv_freq"]
+    assert ckpt.dtype == torch.float16
+    assert ckpt.config.rope_theta == 500000.0 and not ckpt.config.norm_before_residual
+
+
+def test_speculators_defaults_and_variants(tmp_path):
+    """Catches reading speculators' nested config wrong: norm_before_residual defaults to True there,
+    Qwen3 q/k norms and input_norm (norm_before_fc) are carried."""
+    written = write_drafter(tmp_path / "s", "speculators", Spec(qwen3=True, norm_before_fc=True, head_dim=16))
+    ckpt = load_drafter(tmp_path / "s")
+    _assert_same(ckpt, written)
+    cfg = ckpt.config
+    assert cfg.norm_before_residual and cfg.norm_before_fc and cfg.model_type == "qwen3" and cfg.head_dim == 16
+    assert cfg.target_model == "some-org/target-model"
+    assert cfg.aux_layer_ids == [2, 4, 5]
+
+
+def test_specforge_fc_norm(tmp_path):
+    written = write_drafter(tmp_path / "s", "specforge", Spec(fc_norm=True))
+    ckpt = load_drafter(tmp_path / "s")
+    _assert_same(ckpt, written)
+    assert ckpt.config.fc_norm and ckpt.config.aux_layer_ids == [1, 3, 4]
+
+
+def test_modelopt_frequency_ordered_d2t(tmp_path):
+    """Catches mapping through t2d (wrong for ModelOpt): d2t offsets in frequency order must be honoured."""
+    written = write_drafter(tmp_path / "m", "modelopt", Spec())
+    ckpt = load_drafter(tmp_path / "m")
+    ids = ckpt.draft_to_target_ids()
+    assert not torch.all(ids[1:] > ids[:-1]), "fixture should be non-monotonic"
+    assert torch.equal(ids, torch.arange(97) + written["d2t"])
+    assert "t2d" not in ckpt.tensors and len(ckpt.files) == 2
+
+
+def test_modelopt_without_head(tmp_path):
+    write_drafter(tmp_path / "m", "modelopt", Spec(no_head=True, draft_vocab=None))
+    ckpt = load_drafter(tmp_path / "m")
+    assert not ckpt.has_head and ckpt.config.draft_vocab_size == 301 and ckpt.d2t is None
+
+
+def test_angelslim_explicit_head_dim(tmp_path):
+    written = write_drafter(tmp_path / "a", "angelslim", Spec(head_dim=12))
+    ckpt = load_drafter(tmp_path / "a")
+    _assert_same(ckpt, written)
+    assert ckpt.config.head_dim == 12 and ckpt.layout == "angelslim"
+
+
+class _Evil:
+    def __reduce__(self):
+        return (exec, ("open('/tmp/slimspec_pwned','w').write('x')",))
+
+
+def test_bin_never_runs_pickle_code(tmp_path):
+    """Catches torch.load without weights_only: a malicious pickle must be refused, not executed."""
+    import os
+
+    folder = tmp_path / "evil"
+    write_drafter(folder, "eagle", Spec())
+    with open(folder / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"fc.weight": _Evil()}, f)
+    if os.path.exists("/tmp/slimspec_pwned"):
+        os.remove("/tmp/slimspec_pwned")
+    with pytest.raises(CheckpointError):
+        load_drafter(folder)
+    assert not os.path.exists("/tmp/slimspec_pwned")
