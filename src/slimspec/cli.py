@@ -39,6 +39,47 @@ def main() -> None:
     """
 
 
+def data_options(func):
+    """Options that say where teacher data comes from (shared by convert and distill)."""
+    options = [
+        click.option("--data", multiple=True, help="Prompts: jsonl/json/parquet files or globs (field `turns`), or a "
+                     "datasets id. Repeatable. Default: the calibration set shipped with slimspec."),
+        click.option("--num-prompts", type=int, help="Use at most this many prompts."),
+        click.option("--responses", type=click.Choice(["regenerate", "reference", "none"]), default="regenerate",
+                     show_default=True, help="What follows each prompt: the target's own answer (EAGLE-3 practice), "
+                     "the data set's reference answer (no generation), or nothing."),
+        click.option("--max-new-tokens", type=int, default=128, show_default=True,
+                     help="Length of regenerated answers."),
+        click.option("--temperature", type=float, default=0.0, show_default=True,
+                     help="0: greedy answers; > 0: sampled."),
+        click.option("--aux-layers", help="Target hidden-state indices feeding fc, e.g. 2,15,27 (default: the "
+                     "drafter's config, else EAGLE-3's {2, L//2, L-3})."),
+        click.option("--aux-convention", type=click.Choice(["input", "output"]),
+                     help="How --aux-layers / the config count: index of the layer a state enters (vLLM) or leaves "
+                          "(SpecForge/ModelOpt). Default: by the drafter's layout."),
+        click.option("--ttt-steps", type=int, default=3, show_default=True, help="Training-time-test unroll."),
+        click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak AdamW learning rate."),
+        click.option("--batch-tokens", type=int, default=2048, show_default=True, help="Drafter positions per step."),
+        click.option("--seed", type=int, default=0, show_default=True),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _data_and_config(kw: dict, steps: int):
+    from slimspec.distill.pipeline import DataOptions
+    from slimspec.distill.train import DistillConfig
+
+    aux = [int(x) for x in kw.pop("aux_layers").split(",")] if kw.get("aux_layers") else None
+    options = DataOptions(data=list(kw.pop("data")) or None, num_prompts=kw.pop("num_prompts"),
+                          responses=kw.pop("responses"), max_new_tokens=kw.pop("max_new_tokens"),
+                          temperature=kw.pop("temperature"), aux_layers=aux, aux_convention=kw.pop("aux_convention"))
+    cfg = DistillConfig(steps=steps, ttt_steps=kw.pop("ttt_steps"), lr=kw.pop("lr"),
+                        batch_tokens=kw.pop("batch_tokens"), seed=kw.pop("seed"))
+    return options, cfg
+
+
 @main.command()
 @click.argument("drafter")
 @click.option("--target", "-t", help="Target model the drafter serves (Hub id, folder or embedded: name).")
@@ -52,10 +93,20 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), help="Output dtype [default: the source's].")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--revision", help="Hub revision (branch, tag or commit) for downloads.")
+@click.option("--stitch", type=click.Choice(["target", "zero", "scaled"]), default="target", show_default=True,
+              help="--vocab full: rows outside the draft vocab from the target's head, zeros, or the target's rows "
+                   "rescaled to the drafter's row norm.")
+@click.option("--init", type=click.Choice(["svd", "whitened"]), default="svd", show_default=True,
+              help="svd: optimal for ||W - W_up W_down||; whitened: optimal for ||(W - W_up W_down) X|| over the "
+                   "drafter's real activations X (needs the target and calibration data).")
+@click.option("--distill-steps", type=int, default=0, show_default=True,
+              help="Then distil the pair for N steps against the target under full-vocabulary KL.")
+@data_options
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
 def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path | None, dtype: str | None,
-            overwrite: bool, revision: str | None, as_json: bool, quiet: bool) -> None:
+            overwrite: bool, revision: str | None, stitch: str, init: str, distill_steps: int, as_json: bool,
+            quiet: bool, **kw) -> None:
     """Replace DRAFTER's LM head by an SVD-initialised low-rank pair and write a vLLM-ready folder.
 
     \b
@@ -65,8 +116,10 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
     """
     from slimspec.convert.pipeline import convert as run_convert
 
+    options, cfg = _data_and_config(kw, distill_steps)
     result = run_convert(drafter, target, rank, vocab=vocab, out=out, dtype=dtype, overwrite=overwrite,
-                         revision=revision, progress=not quiet)
+                         revision=revision, progress=not quiet, stitch=stitch, init=init, distill_steps=distill_steps,
+                         data_options=options, distill_config=cfg)
     report = {"out": str(result.out), **result.report}
     if as_json:
         click.echo(json.dumps(report))
@@ -88,9 +141,63 @@ def _print_convert_report(report: dict) -> None:
         ("argmax agreement (random h)", f"{report['verification']['argmax_agreement_vs_full']:.3f}"),
         ("time", f"{report['timings']['total']:.1f}s"),
     ]
+    for name, kl in report.get("init_kl", {}).items():
+        rows.insert(-1, (f"step-0 KL, {name} init", f"{kl['step0_kl']:.4f}"))
+    if "distill" in report:
+        d = report["distill"]
+        rows.insert(-1, ("distillation", f"{d['steps']} steps: step-0 KL {d['kl_before']:.4f} -> {d['kl_after']:.4f} "
+                                         f"({d['tokens_per_second']:.0f} tokens/s)"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {value}")
+
+
+@main.command()
+@click.argument("checkpoint")
+@click.option("--target", "-t", help="Target model (default: the one recorded in the checkpoint).")
+@click.option("--steps", type=int, default=100, show_default=True, help="Optimizer steps.")
+@click.option("--train-backbone", is_flag=True, help="Train the whole drafter, not only the head.")
+@click.option("--save-every", type=int, default=0, help="Write a resumable checkpoint every M steps.")
+@click.option("--resume", is_flag=True, help="Continue from the last checkpoint of an interrupted run (same options).")
+@click.option("--out", "-o", type=click.Path(path_type=Path), help="Output folder [default: CHECKPOINT-distilled].")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+@data_options
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+def distill(checkpoint: str, target: str | None, steps: int, train_backbone: bool, save_every: int, resume: bool,
+            out: Path | None, overwrite: bool, as_json: bool, quiet: bool, **kw) -> None:
+    """Distil CHECKPOINT's head (or whole drafter) against the target under full-vocabulary KL.
+
+    Teacher data (target features and final hidden states on prompt + answer) is cached on disk, so
+    repeated runs skip the target. Works under torchrun (gloo) for data parallelism.
+    """
+    from slimspec.distill.pipeline import distill as run_distill
+
+    options, cfg = _data_and_config(kw, steps)
+    cfg.train_backbone, cfg.save_every = train_backbone, save_every
+    _init_distributed()
+    path, result = run_distill(checkpoint, target, out=out, overwrite=overwrite or resume, config=cfg,
+                               data_options=options, resume=resume, progress=not quiet)
+    summary = {"out": str(path), **result.summary()}
+    if as_json:
+        click.echo(json.dumps(summary))
+        return
+    click.echo(f"output           {path}")
+    click.echo(f"steps            {result.steps} ({result.seconds:.0f}s, {result.tokens_per_second:.0f} tokens/s)")
+    click.echo(f"step-0 KL        {result.kl_before:.4f} -> {result.kl_after:.4f} (held-out tokens)")
+    click.echo("per TTT step     " + ", ".join(f"{a:.3f}->{b:.3f}" for a, b in
+                                               zip(result.kl_before_per_step, result.kl_after_per_step, strict=True)))
+
+
+def _init_distributed() -> None:
+    """Join a torchrun process group (gloo: CPU) when launched by torchrun."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
 
 
 @main.command()

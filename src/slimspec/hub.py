@@ -14,7 +14,7 @@ from typing import Literal
 
 from slimspec.errors import CheckpointError
 
-Role = Literal["drafter", "target"]
+Role = Literal["drafter", "target", "model"]  # "model": a target that will run (all its weights)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 DRAFTER_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
@@ -69,5 +69,7 @@ def resolve_model(name: str, role: Role, revision: str | None = None) -> Path:
         raise CheckpointError(f"{name}: no such folder, and not a Hub id (owner/name)")
     if role == "drafter":
         return _snapshot(name, DRAFTER_PATTERNS, revision)
+    if role == "model":
+        return _snapshot(name, TARGET_META_PATTERNS + ["*.safetensors"], revision)
     folder = _snapshot(name, TARGET_META_PATTERNS, revision)
     return _snapshot(name, TARGET_META_PATTERNS + target_weight_patterns(folder), revision)

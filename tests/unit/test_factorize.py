@@ -103,3 +103,19 @@ def test_mixed_precision_eigensolver_matches_svd():
     ours = torch.linalg.norm(w - up @ down)
     ref = torch.linalg.norm(w - _reference(w, 90))
     assert abs(float(ours - ref)) <= 1e-9 * float(ref)
+
+
+def test_whitened_minimises_activation_error():
+    """Catches a wrong whitening transform: on real activations X the whitened factors must reach the
+    optimum of ||(W - AB) X||_F (rank-r truncation of W X via SVD in float64) and beat the plain SVD."""
+    from slimspec.convert.factorize import factorize_whitened
+
+    g = torch.Generator().manual_seed(7)
+    w = _decaying(300, 24, seed=8)
+    x = torch.randn(24, 500, generator=g, dtype=torch.float64) * torch.logspace(1, -1, 24, dtype=torch.float64)[:, None]
+    up, down = factorize_whitened(w, 6, x @ x.T, ridge=0.0)
+    ours = torch.linalg.norm((w - up @ down) @ x)
+    best = torch.linalg.norm(w @ x - _reference(w @ x, 6))  # optimum over rank-6 maps of W X's column space
+    assert abs(float(ours - best)) <= 1e-6 * float(best)
+    up2, down2 = factorize(w, 6)
+    assert float(torch.linalg.norm((w - up2 @ down2) @ x)) > float(ours) * 1.01

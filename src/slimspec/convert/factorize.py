@@ -114,3 +114,39 @@ def relative_error(
         err += float(diff.double().pow(2).sum())
         total += float(chunk.double().pow(2).sum())
     return (err / total) ** 0.5 if total > 0 else 0.0
+
+
+def factorize_whitened(
+    weight: torch.Tensor,
+    rank: int,
+    covariance: torch.Tensor,
+    *,
+    ridge: float = 1e-6,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activation-aware factors: minimise ``||(W - W_up W_down) X||_F`` over activations ``X`` (columns).
+
+    ``covariance`` is ``X X^T`` (``[d, d]``, any positive scale). With ``S = C^{1/2}`` (ridge-regularised),
+    the optimum is the rank-r truncation of ``W S`` mapped back by ``S^{-1}``: the eigenpairs of
+    ``S G S`` (``G = W^T W``) give ``W_up = W S V_r S_r^{-1/2}`` and ``W_down = S_r^{1/2} V_r^T S^{-1}``.
+    """
+    d = weight.shape[1]
+    cov = covariance.double()
+    cov = (cov + cov.T) / 2
+    cov = cov + ridge * float(torch.trace(cov)) / d * torch.eye(d, dtype=torch.float64)
+    evals, evecs = torch.linalg.eigh(cov)
+    evals = evals.clamp_min(float(evals.max()) * 1e-12)
+    sqrt_c = (evecs * evals.sqrt()) @ evecs.T
+    inv_sqrt_c = (evecs * evals.rsqrt()) @ evecs.T
+    gram = gram_matrix(weight, chunk_rows)
+    values, vectors = top_eigenpairs(sqrt_c @ gram @ sqrt_c, rank)
+    sigma = values.sqrt()
+    tiny = float(sigma.max()) * torch.finfo(torch.float64).eps * max(weight.shape)
+    inv_root = torch.where(sigma > tiny, sigma.clamp_min(1e-300).rsqrt(), torch.zeros_like(sigma))
+    dtype = _compute_dtype(weight)
+    right = (sqrt_c @ (vectors * inv_root)).to(dtype)
+    w_up = torch.empty(weight.shape[0], rank, dtype=dtype)
+    for start in range(0, weight.shape[0], chunk_rows):
+        w_up[start:start + chunk_rows] = weight[start:start + chunk_rows].to(dtype) @ right
+    w_down = ((sigma.sqrt()[:, None] * vectors.T) @ inv_sqrt_c).to(dtype)
+    return w_up.to(weight.dtype), w_down.to(weight.dtype)

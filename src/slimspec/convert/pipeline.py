@@ -67,7 +67,8 @@ def validate_against_target(ckpt: DrafterCheckpoint, target: TargetHead) -> None
         )
 
 
-def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: VocabMode) -> tuple[torch.Tensor, int]:
+def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: VocabMode, stitch: str = "target"
+                  ) -> tuple[torch.Tensor, int]:
     """The float32 head to factorise and how many of its rows came from the drafter's own head.
 
     ``full``: one row per target token; tokens of the draft vocab take the drafter's rows (mapped
@@ -92,7 +93,14 @@ def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: Voc
     weight = target.weight.float().clone()
     if head is None:
         return weight, 0
-    weight[ckpt.draft_to_target_ids()] = head.float()
+    ids = ckpt.draft_to_target_ids()
+    if stitch == "zero":
+        weight.zero_()
+    elif stitch == "scaled":
+        weight *= float(head.float().norm(dim=1).mean() / weight[ids].norm(dim=1).mean().clamp_min(1e-12))
+    elif stitch != "target":
+        raise SlimSpecError(f"--stitch must be target, zero or scaled; got {stitch!r}")
+    weight[ids] = head.float()
     return weight, head.shape[0]
 
 
@@ -124,9 +132,20 @@ def convert(
     revision: str | None = None,
     progress: bool = True,
     verify_samples: int = 16,
+    stitch: str = "target",
+    init: str = "svd",
+    distill_steps: int = 0,
+    data: str | list[str] | None = None,
+    data_options: Any = None,
+    distill_config: Any = None,
 ) -> ConvertResult:
     """Convert an EAGLE-3 drafter (Hub id, folder or ``embedded:`` name) to a SlimSpec low-rank head.
 
+    ``stitch`` (``--vocab full``): rows outside the draft vocab from the target's head (``target``),
+    zeros (``zero``), or the target's rows rescaled to the drafter's mean row norm (``scaled``).
+    ``init``: ``svd`` (Eckart-Young on the head) or ``whitened`` (activation-aware, from calibration data).
+    ``distill_steps`` > 0 then distils the pair against the target under full-vocabulary KL
+    (``data``/``data_options``/``distill_config`` as for :func:`slimspec.distill`).
     Returns the output folder, the resolved rank and the report also written to ``slimspec.json``.
     """
     from slimspec import embedded
@@ -159,7 +178,7 @@ def convert(
     stages.say(f"layout {ckpt.layout}: hidden {cfg.hidden_size}, draft vocab {cfg.draft_vocab_size} "
                f"of {cfg.vocab_size}, head {'low-rank' if ckpt.is_lowrank else 'own' if ckpt.has_head else 'shared'}")
 
-    weight, rows_from_drafter = stitched_head(ckpt, target_head, vocab)
+    weight, rows_from_drafter = stitched_head(ckpt, target_head, vocab, stitch)
     hidden = weight.shape[1]
     needs_spectrum = str(rank).strip().startswith("energy:")
     r = None if needs_spectrum else parse_rank(rank, hidden)
@@ -180,6 +199,25 @@ def convert(
         w_up, w_down = factorize(weight, r, gram=gram)
     with stages.stage("error", "reconstruction error"):
         rel_err = relative_error(weight, w_up, w_down)
+    d2t_out = None
+    if vocab == "draft" and weight.shape[0] != cfg.vocab_size:
+        d2t_out = (ckpt.draft_to_target_ids() - torch.arange(weight.shape[0])).long()
+    distill_report = None
+    if init != "svd" or distill_steps > 0:
+        from slimspec.distill.pipeline import DataOptions, init_and_distill, load_target_parts
+        from slimspec.distill.train import DistillConfig
+
+        if target is None:
+            raise SlimSpecError("--init whitened and --distill-steps need --target")
+        options = data_options or DataOptions()
+        if data is not None:
+            options.data = data
+        dcfg = distill_config or DistillConfig()
+        dcfg.steps = distill_steps
+        with stages.stage("distill", f"calibration ({init} init) and {distill_steps} distillation steps"):
+            w_up, w_down, distill_report = init_and_distill(
+                ckpt, weight, r, w_up, w_down, d2t_out, load_target_parts(target, revision), options, dcfg, init,
+                progress)
     energy = float(s2[:r].sum() / s2.sum()) if float(s2.sum()) > 0 else 1.0
     source_rows = ckpt.head_weight().shape[0] if ckpt.has_head else weight.shape[0]
     out_dtype = dtype or ckpt.dtype
@@ -191,8 +229,8 @@ def convert(
                if k not in NOT_CARRIED}
     tensors["lm_head.weight"] = w_up.to(out_dtype)
     tensors[LOWRANK_DOWN] = w_down.to(out_dtype)
-    if vocab == "draft" and head_vocab != cfg.vocab_size:
-        tensors["d2t"] = (ckpt.draft_to_target_ids() - torch.arange(head_vocab)).long()
+    if d2t_out is not None:
+        tensors["d2t"] = d2t_out
 
     report: dict[str, Any] = {
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -220,8 +258,12 @@ def convert(
         "head_params": r * hidden + head_vocab * r,
         "head_flop_ratio": (r * hidden + head_vocab * r) / (source_rows * hidden),
         "dtype": str(out_dtype).removeprefix("torch."),
+        "stitch": stitch,
+        "init": init,
         "versions": _versions(),
     }
+    if distill_report is not None:
+        report.update(distill_report)
     meta = {"version": report["versions"]["slimspec"], "vocab_mode": vocab, "source_drafter": drafter,
             "source_layout": ckpt.layout, "target": target}
     config = drafter_config_json(cfg, rank=r, head_vocab=head_vocab, dtype=out_dtype, slimspec_meta=meta)

@@ -1,0 +1,116 @@
+"""Prompt sets for teacher data: local jsonl/json/parquet files, a `datasets` id, or the shipped calibration set."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slimspec.errors import SlimSpecError
+
+TEXT_FIELDS = ("turns", "messages", "conversations", "prompt", "instruction", "question", "text")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One user prompt (first turn) and, where the source has one, a reference answer."""
+
+    id: str
+    text: str
+    reference: str | None = None
+
+
+def _first_user_turn(row: dict[str, Any]) -> str | None:
+    for field in TEXT_FIELDS:
+        value = row.get(field)
+        if isinstance(value, str) and value.strip():
+            return value
+        if isinstance(value, list) and value:
+            first = value[0]
+            if isinstance(first, str):
+                return first
+            if isinstance(first, dict):
+                for item in value:
+                    role = item.get("role") or item.get("from")
+                    if role in ("user", "human"):
+                        return item.get("content") or item.get("value")
+    return None
+
+
+def _reference(row: dict[str, Any]) -> str | None:
+    ref = row.get("reference")
+    if isinstance(ref, list) and ref and isinstance(ref[0], str):
+        return ref[0]
+    return ref if isinstance(ref, str) else None
+
+
+def _rows_from_file(path: Path) -> list[dict[str, Any]]:
+    try:
+        if path.suffix == ".jsonl":
+            return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if path.suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return data if isinstance(data, list) else data.get("data", [])
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path).to_pylist()
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+        raise SlimSpecError(f"{path}: cannot read prompts ({exc})") from None
+    raise SlimSpecError(f"{path}: prompts must be .jsonl, .json or .parquet")
+
+
+def shipped_calibration_path() -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("slimspec").joinpath("data/calibration.jsonl")))
+
+
+def load_prompts(spec: str | list[str] | None, *, limit: int | None = None, split: str = "train") -> list[Prompt]:
+    """Prompts from files/globs, a ``datasets`` id, or (``None``) the calibration set shipped with slimspec."""
+    specs = [spec] if isinstance(spec, str) else list(spec or [str(shipped_calibration_path())])
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for item in specs:
+        paths = sorted(glob.glob(item)) if any(c in item for c in "*?[") else [item]
+        local = [Path(p) for p in paths if Path(p).exists()]
+        if local:
+            for path in local:
+                files = sorted(path.glob("*.jsonl")) + sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+                for file in files:
+                    rows += [(f"{file.name}:{i}", r) for i, r in enumerate(_rows_from_file(file))]
+        elif "/" in item and not item.startswith((".", "/")):
+            rows += [(f"{item}:{i}", r) for i, r in enumerate(_load_dataset(item, split))]
+        else:
+            raise SlimSpecError(f"--data {item}: no such file, and not a datasets id")
+    prompts = []
+    for rid, row in rows:
+        text = _first_user_turn(row)
+        if text:
+            prompts.append(Prompt(id=str(row.get("id", rid)), text=text, reference=_reference(row)))
+    if not prompts:
+        raise SlimSpecError(f"--data {spec}: no prompts found (expected a field among {', '.join(TEXT_FIELDS)})")
+    return prompts[:limit] if limit else prompts
+
+
+def _load_dataset(name: str, split: str) -> list[dict[str, Any]]:
+    try:
+        import datasets
+
+        return list(datasets.load_dataset(name, split=split))
+    except Exception as exc:  # network or unknown dataset: one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SlimSpecError(f"cannot load dataset {name!r}: {first}") from None
+
+
+def prompts_fingerprint(prompts: list[Prompt]) -> str:
+    """Stable hash of the prompt texts (part of the teacher-cache key)."""
+    digest = hashlib.sha256()
+    for p in prompts:
+        digest.update(p.text.encode("utf-8"))
+        digest.update(b"\0")
+        digest.update((p.reference or "").encode("utf-8"))
+        digest.update(b"\1")
+    return digest.hexdigest()

@@ -1,0 +1,333 @@
+"""The distillation loop: AdamW + warmup + clipping over the TTT unroll, full-vocab KL to the target.
+
+Head-only (the default) freezes the drafter's backbone, so its normed outputs for every TTT step are
+computed once (:func:`student_features`) and each step only runs the head and the loss. With
+``train_backbone`` the whole drafter (not the target's embedding) trains through ``ttt_forward``.
+
+Alignment (DESIGN.md section 4): TTT step i at drafter position t predicts x_{t+2+i}; its teacher is the
+target's distribution at position t+1+i, i.e. ``final[t+1+i] @ target_head^T``, weighted by the loss mask
+there (response tokens) and by ``decay**i``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from slimspec.distill.loss import full_vocab_kl
+from slimspec.distill.teacher import TeacherData
+from slimspec.errors import SlimSpecError
+from slimspec.model import Eagle3Drafter
+
+
+@dataclass
+class DistillConfig:
+    """Knobs of the loop (saved in checkpoints; a resume must use the same)."""
+
+    steps: int = 100
+    lr: float = 2e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    batch_tokens: int = 2048
+    ttt_steps: int = 3
+    decay: float = 0.8
+    train_backbone: bool = False
+    save_every: int = 0
+    seed: int = 0
+    eval_every_nth: int = 10  # every n-th teacher sequence is held out for the KL before/after
+
+
+@dataclass
+class StudentFeatures:
+    """Per drafter position: normed outputs of each TTT step and where its teacher is."""
+
+    hidden: torch.Tensor  # [M, k, H] float32
+    teacher_index: torch.Tensor  # [M, k] long, rows of TeacherData.final
+    weight: torch.Tensor  # [M, k] float32 (loss mask)
+
+
+@dataclass
+class DistillResult:
+    steps: int
+    kl_before: float
+    kl_after: float
+    kl_before_per_step: list[float]
+    kl_after_per_step: list[float]
+    history: list[dict] = field(default_factory=list)
+    tokens_per_second: float = 0.0
+    seconds: float = 0.0
+    config: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "history"} | {"history_tail": self.history[-5:]}
+
+
+def split_sequences(teacher: TeacherData, every_nth: int) -> tuple[list[int], list[int]]:
+    """(train, eval) sequence indices: every n-th sequence is held out (at least one, never all)."""
+    n = len(teacher)
+    held = [i for i in range(n) if every_nth > 0 and i % every_nth == every_nth - 1] or ([n - 1] if n > 1 else [])
+    train = [i for i in range(n) if i not in set(held)] or list(range(n))
+    return train, held
+
+
+def _sequence_inputs(teacher: TeacherData, index: int, steps: int):
+    seq = teacher.sequence(index)
+    length = seq["input_ids"].numel()
+    positions = length - steps
+    if positions <= 0:
+        return None
+    start = int(teacher.starts[index])
+    t = torch.arange(positions)
+    teacher_index = torch.stack([start + t + 1 + i for i in range(steps)], dim=1)
+    weight = torch.stack([seq["loss_mask"][t + 1 + i].float() for i in range(steps)], dim=1)
+    return seq, positions, teacher_index, weight
+
+
+def student_outputs(drafter: Eagle3Drafter, teacher: TeacherData, index: int, steps: int):
+    """Normed TTT outputs [T', k, H] of one sequence, with teacher rows and weights (None if too short)."""
+    inputs = _sequence_inputs(teacher, index, steps)
+    if inputs is None:
+        return None
+    seq, positions, teacher_index, weight = inputs
+    dtype = drafter.fc.weight.dtype
+    outs = drafter.ttt_forward(seq["input_ids"][None], seq["aux"][None, :positions].to(dtype), steps)
+    hidden = torch.stack([drafter.normed(h)[0] for h in outs], dim=1)
+    return hidden, teacher_index, weight
+
+
+@torch.no_grad()
+def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list[int], steps: int,
+                     progress: bool = False) -> StudentFeatures:
+    """Frozen-backbone features of the given sequences, concatenated."""
+    from tqdm.auto import tqdm
+
+    parts = []
+    for i in tqdm(indices, desc="[slimspec] drafter features", disable=not progress, leave=False):
+        out = student_outputs(drafter, teacher, i, steps)
+        if out is not None:
+            parts.append(out)
+    if not parts:
+        raise SlimSpecError(f"no teacher sequence is longer than {steps} tokens")
+    return StudentFeatures(hidden=torch.cat([p[0] for p in parts]).float(),
+                           teacher_index=torch.cat([p[1] for p in parts]),
+                           weight=torch.cat([p[2] for p in parts]))
+
+
+def head_factors(drafter: Eagle3Drafter) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_down [r, d], w_up [V, r]) of a low-rank head, or (identity, W) of a full head."""
+    head = drafter.lm_head
+    down = head.weight_down
+    if down is None:
+        up = head.weight_up
+        return torch.eye(up.shape[1], dtype=up.dtype), up
+    return down, head.weight_up
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    if _world()[1] > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.Tensor, weight: torch.Tensor,
+             teacher: TeacherData, teacher_head: torch.Tensor, decay: float, global_weight: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, list[float]]:
+    """Loss = sum_i decay^i * KL_i (KL_i the weighted mean over tokens) and the per-step KLs.
+
+    ``global_weight`` [k] (the weight sums over all ranks) makes the per-rank losses add up to the global one.
+    """
+    down, up = head_factors(drafter)
+    total = hidden.new_zeros(())
+    per_step = []
+    for i in range(hidden.shape[1]):
+        w = weight[:, i]
+        local = float(w.sum())
+        denominator = float(global_weight[i]) if global_weight is not None else local
+        if denominator <= 0:
+            per_step.append(float("nan"))
+            continue
+        if local <= 0:
+            per_step.append(0.0)
+            total = total + 0.0 * (up.sum() + down.sum())  # keep every rank's graph the same shape
+            continue
+        th = teacher.final[teacher_index[:, i]].float()
+        kl = full_vocab_kl(hidden[:, i], down, up, th, teacher_head, weights=w)
+        share = kl * (local / denominator)
+        per_step.append(float(share.detach()))
+        total = total + (decay ** i) * share
+    return total, per_step
+
+
+@torch.no_grad()
+def evaluate_kl(drafter: Eagle3Drafter, features: StudentFeatures, teacher: TeacherData,
+                teacher_head: torch.Tensor, decay: float, batch: int = 4096) -> tuple[float, list[float]]:
+    """Weighted-mean KL per TTT step over ``features`` and the decayed sum (the training loss)."""
+    k = features.hidden.shape[1]
+    sums, weights = [0.0] * k, [0.0] * k
+    down, up = head_factors(drafter)
+    for a in range(0, features.hidden.shape[0], batch):
+        for i in range(k):
+            w = features.weight[a:a + batch, i]
+            if float(w.sum()) <= 0:
+                continue
+            th = teacher.final[features.teacher_index[a:a + batch, i]].float()
+            kl = full_vocab_kl(features.hidden[a:a + batch, i], down.detach(), up.detach(), th, teacher_head,
+                               weights=w)
+            sums[i] += float(kl) * float(w.sum())
+            weights[i] += float(w.sum())
+    per_step = [s / w if w > 0 else float("nan") for s, w in zip(sums, weights, strict=True)]
+    loss = sum((decay ** i) * v for i, v in enumerate(per_step) if not math.isnan(v))
+    return loss, per_step
+
+
+def _lr_at(step: int, cfg: DistillConfig) -> float:
+    """Linear warmup, then cosine decay to 10 % of the peak."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def trainable_parameters(drafter: Eagle3Drafter, train_backbone: bool) -> list[torch.nn.Parameter]:
+    for p in drafter.parameters():
+        p.requires_grad_(False)
+    params = list(drafter.lm_head.parameters()) if not train_backbone else list(drafter.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def _checkpoint_path(folder: Path, step: int) -> Path:
+    return folder / f"step-{step:06d}.pt"
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    found = sorted(folder.glob("step-*.pt"))
+    return found[-1] if found else None
+
+
+def distill_drafter(
+    drafter: Eagle3Drafter,
+    teacher: TeacherData,
+    teacher_head: torch.Tensor,
+    cfg: DistillConfig,
+    *,
+    checkpoint_dir: Path | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> DistillResult:
+    """Train ``drafter`` (head only unless ``cfg.train_backbone``) in place against ``teacher``."""
+    from tqdm.auto import tqdm
+
+    rank, world = _world()
+    torch.manual_seed(cfg.seed)
+    teacher_head = teacher_head.float()
+    k = cfg.ttt_steps
+    train_idx, eval_idx = split_sequences(teacher, cfg.eval_every_nth)
+    drafter.requires_grad_(False)
+    eval_features = student_features(drafter, teacher, eval_idx, k)
+    kl_before, kl_before_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay)
+    train_features = None if cfg.train_backbone else student_features(drafter, teacher, train_idx, k, progress)
+    params = trainable_parameters(drafter, cfg.train_backbone)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    generator = torch.Generator().manual_seed(cfg.seed)
+    history: list[dict] = []
+    start_step = 0
+    if checkpoint_dir is not None and resume and (path := latest_checkpoint(checkpoint_dir)):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state["config"] != asdict(cfg):
+            raise SlimSpecError(f"{path}: saved with other settings; resume needs the same options")
+        with torch.no_grad():
+            for p, saved in zip(params, state["params"], strict=True):
+                p.copy_(saved)
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["rng"])
+        history = list(state["history"])
+        start_step = int(state["step"])
+    bar = tqdm(total=cfg.steps, initial=start_step, desc="[slimspec] distill", disable=not progress or rank != 0)
+    tokens_seen, started = 0, time.perf_counter()
+    for step in range(start_step, cfg.steps):
+        if cfg.train_backbone:
+            hidden, teacher_index, weight = _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world)
+        else:
+            rows = torch.randint(0, train_features.hidden.shape[0], (cfg.batch_tokens,), generator=generator)
+            rows = rows[rank::world]
+            hidden = train_features.hidden[rows]
+            teacher_index, weight = train_features.teacher_index[rows], train_features.weight[rows]
+        global_weight = _all_reduce(weight.sum(0).double())
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        optimizer.zero_grad(set_to_none=True)
+        loss, per_step = kl_terms(drafter, hidden, teacher_index, weight, teacher, teacher_head, cfg.decay,
+                                  global_weight)
+        loss.backward()
+        for p in params:
+            if p.grad is not None:
+                _all_reduce(p.grad)
+        loss_value = float(_all_reduce(loss.detach().clone()))
+        kl0 = float(_all_reduce(torch.tensor(per_step[0] if not math.isnan(per_step[0]) else 0.0)))
+        if not math.isfinite(loss_value):
+            last = latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
+            raise SlimSpecError(f"loss became {loss_value} at step {step + 1}; stopped"
+                                + (f" (last good checkpoint: {last})" if last else " (no checkpoint saved yet)"))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        optimizer.step()
+        tokens = int(global_weight.numel() and hidden.shape[0] * world)
+        tokens_seen += tokens
+        rate = tokens_seen / max(time.perf_counter() - started, 1e-9)
+        history.append({"step": step + 1, "loss": loss_value, "kl0": kl0, "grad_norm": grad_norm,
+                        "lr": optimizer.param_groups[0]["lr"]})
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_value:.4f}", kl=f"{kl0:.4f}", tok_s=f"{rate:.0f}")
+        if checkpoint_dir is not None and cfg.save_every and (step + 1) % cfg.save_every == 0 and rank == 0:
+            _save_checkpoint(checkpoint_dir, step + 1, params, optimizer, generator, history, cfg)
+    bar.close()
+    seconds = time.perf_counter() - started
+    drafter.requires_grad_(False)
+    if cfg.train_backbone:
+        eval_features = student_features(drafter, teacher, eval_idx, k)
+    kl_after, kl_after_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay)
+    return DistillResult(steps=cfg.steps, kl_before=kl_before_steps[0], kl_after=kl_after_steps[0],
+                         kl_before_per_step=kl_before_steps, kl_after_per_step=kl_after_steps, history=history,
+                         tokens_per_second=tokens_seen / max(seconds, 1e-9), seconds=seconds, config=asdict(cfg))
+
+
+def _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world):
+    """Whole sequences, drawn at random until the batch holds ``batch_tokens`` positions (split over ranks)."""
+    chosen, count = [], 0
+    while count < cfg.batch_tokens:
+        i = train_idx[int(torch.randint(0, len(train_idx), (1,), generator=generator))]
+        chosen.append(i)
+        count += max(0, int(teacher.starts[i + 1] - teacher.starts[i]) - cfg.ttt_steps)
+        if len(chosen) > 10 * len(train_idx):
+            break
+    parts = [student_outputs(drafter, teacher, i, cfg.ttt_steps) for i in chosen[rank::world]]
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        h = drafter.fc.weight.new_zeros(0, cfg.ttt_steps, drafter.config.hidden_size)
+        return h, torch.zeros(0, cfg.ttt_steps, dtype=torch.long), torch.zeros(0, cfg.ttt_steps)
+    return (torch.cat([p[0] for p in parts]).float(), torch.cat([p[1] for p in parts]),
+            torch.cat([p[2] for p in parts]))
+
+
+def _save_checkpoint(folder: Path, step: int, params, optimizer, generator, history, cfg) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = _checkpoint_path(folder, step)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    torch.save({"step": step, "params": [p.detach().clone() for p in params], "optimizer": optimizer.state_dict(),
+                "rng": generator.get_state(), "history": history, "config": asdict(cfg)}, tmp)
+    os.replace(tmp, path)
+    return path
