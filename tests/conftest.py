@@ -13,3 +13,34 @@ def tiny_pair(tmp_path):
 
 
 __all__ = ["Spec", "write_drafter", "write_target"]
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """A tiny random Llama target (hidden 32, 4 layers) with SmolLM2's real tokenizer and chat template."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from slimspec.embedded import embedded_target_path
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_target_path(progress=False))
+    folder = tmp_path_factory.mktemp("tiny-target")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def tiny_converted(tiny_target, tmp_path):
+    """An EAGLE-layout drafter for the tiny target, converted at rank 8 over the full vocabulary."""
+    import slimspec
+
+    write_drafter(tmp_path / "drafter", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32))
+    return slimspec.convert(str(tmp_path / "drafter"), str(tiny_target), 8, out=tmp_path / "converted",
+                            progress=False).out

@@ -153,8 +153,12 @@ def _print_convert_report(report: dict) -> None:
 
 
 @main.command()
-@click.argument("checkpoint")
+@click.argument("checkpoint", required=False)
 @click.option("--target", "-t", help="Target model (default: the one recorded in the checkpoint).")
+@click.option("--from-scratch", is_flag=True, help="Train a whole new EAGLE-3 drafter for --target (no CHECKPOINT).")
+@click.option("--draft-vocab", type=int, default=8192, show_default=True,
+              help="--from-scratch: draft vocabulary size (most frequent tokens of the target's answers).")
+@click.option("--head-rank", type=int, help="--from-scratch: a SlimSpec head of this rank instead of a full one.")
 @click.option("--steps", type=int, default=100, show_default=True, help="Optimizer steps.")
 @click.option("--train-backbone", is_flag=True, help="Train the whole drafter, not only the head.")
 @click.option("--save-every", type=int, default=0, help="Write a resumable checkpoint every M steps.")
@@ -164,8 +168,9 @@ def _print_convert_report(report: dict) -> None:
 @data_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
-def distill(checkpoint: str, target: str | None, steps: int, train_backbone: bool, save_every: int, resume: bool,
-            out: Path | None, overwrite: bool, as_json: bool, quiet: bool, **kw) -> None:
+def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draft_vocab: int, head_rank: int | None,
+            steps: int, train_backbone: bool, save_every: int, resume: bool, out: Path | None, overwrite: bool,
+            as_json: bool, quiet: bool, **kw) -> None:
     """Distil CHECKPOINT's head (or whole drafter) against the target under full-vocabulary KL.
 
     Teacher data (target features and final hidden states on prompt + answer) is cached on disk, so
@@ -176,9 +181,23 @@ def distill(checkpoint: str, target: str | None, steps: int, train_backbone: boo
     options, cfg = _data_and_config(kw, steps)
     cfg.train_backbone, cfg.save_every = train_backbone, save_every
     _init_distributed()
-    path, result = run_distill(checkpoint, target, out=out, overwrite=overwrite or resume, config=cfg,
-                               data_options=options, resume=resume, progress=not quiet)
+    if from_scratch:
+        from slimspec.distill.scratch import train_from_scratch
+
+        if checkpoint is not None or target is None or out is None:
+            raise click.UsageError("--from-scratch takes no CHECKPOINT and needs --target and --out")
+        path, result = train_from_scratch(target, out, draft_vocab=draft_vocab, rank=head_rank, data_options=options,
+                                          config=cfg, overwrite=overwrite, progress=not quiet)
+    else:
+        if checkpoint is None:
+            raise click.UsageError("CHECKPOINT is required (or use --from-scratch)")
+        path, result = run_distill(checkpoint, target, out=out, overwrite=overwrite or resume, config=cfg,
+                                   data_options=options, resume=resume, progress=not quiet)
     summary = {"out": str(path), **result.summary()}
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
     if as_json:
         click.echo(json.dumps(summary))
         return

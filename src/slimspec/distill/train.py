@@ -66,7 +66,8 @@ class DistillResult:
     config: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "history"} | {"history_tail": self.history[-5:]}
+        return {k: v for k, v in asdict(self).items() if k != "history"} | {
+            "losses": [h["loss"] for h in self.history], "history_tail": self.history[-5:]}
 
 
 def split_sequences(teacher: TeacherData, every_nth: int) -> tuple[list[int], list[int]]:

@@ -1,0 +1,242 @@
+"""Full-vocabulary KL(teacher || student) for a low-rank drafter head, without [T, V] logits.
+
+The student's logits are ``h @ W_down.T @ W_up.T``, the teacher's ``h_t @ H.T``. Neither is ever held for all
+tokens at once: tokens are taken ``token_chunk`` rows at a time and the vocabulary ``chunk_size`` rows at a time.
+For each token chunk, a first sweep over the vocabulary chunks computes both chunk logits and keeps a streaming
+(online) log-sum-exp of each distribution; a second sweep turns the chunks into ``p`` and ``q`` and adds up the
+KL and its gradients.
+
+The loss is a scalar, so its backward only rescales the gradient: the forward therefore computes the gradient
+with respect to the student logits, ``(q - p) * w_t / sum(w)``, chunk by chunk and reduces it at once to
+``dz = sum_c g_c @ W_up_c`` (``z = h @ W_down.T``) and ``dW_up_c = g_c.T @ z``. This computes every teacher
+logit exactly once (a backward that recomputed the chunk logits would compute the teacher's - by far the
+largest matmul, ``T x H_t x V`` - twice). The price is that the logits of one token chunk are kept until its
+log-sum-exp is complete: ``token_chunk x V`` values per distribution, bounded by ``BUFFER_BYTES`` when
+``token_chunk`` is picked automatically. The backward forms ``dW_down = dz.T @ h`` and ``dh = dz @ W_down``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "full_vocab_kl", "naive_full_vocab_kl"]
+
+DEFAULT_CHUNK_SIZE = 8192
+"""Vocabulary rows per chunk when ``chunk_size`` is None (tuned on a 2-core AVX-512 CPU, scripts/bench_kl.py)."""
+
+BUFFER_BYTES = 512 * 2**20
+"""Budget for one token chunk's teacher + student logits when ``token_chunk`` is None."""
+
+_TOKEN_ROUND = 64
+
+
+def _compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (bf16/fp16 inputs are computed and accumulated in fp32)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _pick_token_chunk(tokens: int, vocab: int, dtype: torch.dtype) -> int:
+    """Largest token chunk whose two [token_chunk, V] logit buffers fit in ``BUFFER_BYTES``."""
+    per_row = 2 * vocab * torch.empty((), dtype=dtype).element_size()
+    rows = max(1, BUFFER_BYTES // per_row)
+    if rows >= _TOKEN_ROUND:
+        rows -= rows % _TOKEN_ROUND
+    return max(1, min(tokens, rows))
+
+
+def _online_lse_update(logits: Tensor, running_max: Tensor, running_sum: Tensor) -> None:
+    """Fold one chunk of logits [n, c] into a streaming log-sum-exp (max and rescaled sum, both [n]), in place.
+
+    A row whose maximum is still -inf (every logit so far masked) uses 0 as the shift, so ``exp(-inf - -inf)``
+    never produces NaN.
+    """
+    new_max = torch.maximum(running_max, logits.amax(dim=1))
+    shift = torch.where(new_max == float("-inf"), torch.zeros_like(new_max), new_max)
+    running_sum.mul_(torch.exp(running_max - shift)).add_(torch.exp(logits - shift[:, None]).sum(dim=1))
+    running_max.copy_(new_max)
+
+
+def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor, teacher_head: Tensor, coef: Tensor,
+                chunk_size: int, token_chunk: int, want_dz: bool, want_dw_up: bool
+                ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Weighted KL sum_t coef_t KL_t and, on request, its gradients w.r.t. ``z`` [T, r] and ``w_up`` [V, r].
+
+    ``z`` and ``coef`` are in the compute dtype; the other inputs are cast chunk by chunk.
+    """
+    cdtype = z.dtype
+    tokens, rank = z.shape
+    vocab = w_up.shape[0]
+    bounds = [(v0, min(v0 + chunk_size, vocab)) for v0 in range(0, vocab, chunk_size)]
+    neg_inf = float("-inf")
+    total = z.new_zeros(())
+    dz = torch.zeros_like(z) if want_dz else None
+    dw_up = torch.zeros(vocab, rank, dtype=cdtype, device=z.device) if want_dw_up else None
+    for t0 in range(0, tokens, token_chunk):
+        t1 = min(t0 + token_chunk, tokens)
+        z_t = z[t0:t1]
+        th_t = teacher_hidden[t0:t1].to(cdtype)
+        coef_t = coef[t0:t1, None]
+        n = t1 - t0
+        max_p = z.new_full((n,), neg_inf)
+        sum_p = z.new_zeros(n)
+        max_q = z.new_full((n,), neg_inf)
+        sum_q = z.new_zeros(n)
+        teacher_chunks: list[Tensor] = []
+        student_chunks: list[Tensor] = []
+        # sweep 1: chunk logits of both models and their streaming log-sum-exp
+        for v0, v1 in bounds:
+            a = th_t @ teacher_head[v0:v1].to(cdtype).T
+            b = z_t @ w_up[v0:v1].to(cdtype).T
+            _online_lse_update(a, max_p, sum_p)
+            _online_lse_update(b, max_q, sum_q)
+            teacher_chunks.append(a)
+            student_chunks.append(b)
+        lse_p = (max_p + sum_p.log())[:, None]
+        lse_q = (max_q + sum_q.log())[:, None]
+        kl_rows = z.new_zeros(n)
+        dz_t = dz[t0:t1] if dz is not None else None
+        # sweep 2: p, q, the KL terms and the gradient g = (q - p) * coef, reduced straight away
+        for v0, v1 in bounds:
+            log_p = teacher_chunks.pop(0).sub_(lse_p)  # popped so each chunk is freed once used
+            log_q = student_chunks.pop(0).sub_(lse_q)
+            p = log_p.exp()
+            # p_v = 0 (teacher logit -inf) contributes 0, not 0 * -inf = NaN
+            terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros((), dtype=cdtype, device=z.device))
+            kl_rows += terms.sum(dim=1)
+            del terms, log_p
+            if dz_t is None and dw_up is None:
+                continue
+            g = log_q.exp_().sub_(p).mul_(coef_t)
+            del p
+            if dz_t is not None:
+                dz_t.addmm_(g, w_up[v0:v1].to(cdtype))
+            if dw_up is not None:
+                dw_up[v0:v1].addmm_(g.T, z_t)
+        total = total + (coef_t[:, 0] * kl_rows).sum()
+    return total, dz, dw_up
+
+
+class _FullVocabKL(torch.autograd.Function):
+    """Forward computes the loss and the chunk-reduced gradients; backward scales them by grad_output."""
+
+    @staticmethod
+    def forward(ctx: Any, student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor,
+                teacher_head: Tensor, coef: Tensor, chunk_size: int, token_chunk: int) -> Tensor:
+        need_h, need_down, need_up = ctx.needs_input_grad[:3]
+        cdtype = coef.dtype
+        h = student_hidden.to(cdtype)
+        down = w_down.to(cdtype)
+        z = h @ down.T
+        loss, dz, dw_up = _chunked_kl(z, w_up, teacher_hidden, teacher_head, coef, chunk_size, token_chunk,
+                                      want_dz=need_h or need_down, want_dw_up=need_up)
+        empty = z.new_empty(0)
+        ctx.save_for_backward(student_hidden if need_down else empty, w_down if need_h else empty,
+                              dz if dz is not None else empty, dw_up if dw_up is not None else empty)
+        ctx.dtypes = (student_hidden.dtype, w_down.dtype, w_up.dtype)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        need_h, need_down, need_up = ctx.needs_input_grad[:3]
+        h, w_down, dz, dw_up = ctx.saved_tensors
+        h_dtype, down_dtype, up_dtype = ctx.dtypes
+        unit = bool(grad_output == 1)
+        grad_h = grad_down = grad_up = None
+        if need_h or need_down:
+            dz = dz if unit else dz * grad_output
+            if need_h:
+                grad_h = (dz @ w_down.to(dz.dtype)).to(h_dtype)
+            if need_down:
+                grad_down = (dz.T @ h.to(dz.dtype)).to(down_dtype)
+        if need_up:
+            # returned as is when grad_output == 1, so autograd can take it as .grad without a copy
+            grad_up = (dw_up if unit else dw_up * grad_output).to(up_dtype)
+        return grad_h, grad_down, grad_up, None, None, None, None, None
+
+
+def _check(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor, teacher_head: Tensor,
+           weights: Tensor | None) -> None:
+    """Raise ValueError on inconsistent shapes."""
+    if student_hidden.dim() != 2 or teacher_hidden.dim() != 2:
+        raise ValueError("student_hidden and teacher_hidden must be [T, d] and [T, Ht]")
+    tokens, dim = student_hidden.shape
+    if w_down.dim() != 2 or w_down.shape[1] != dim:
+        raise ValueError(f"w_down must be [r, {dim}], got {list(w_down.shape)}")
+    if w_up.dim() != 2 or w_up.shape[1] != w_down.shape[0]:
+        raise ValueError(f"w_up must be [V, {w_down.shape[0]}], got {list(w_up.shape)}")
+    if teacher_hidden.shape[0] != tokens:
+        raise ValueError(f"teacher_hidden has {teacher_hidden.shape[0]} tokens, student_hidden {tokens}")
+    if teacher_head.dim() != 2 or teacher_head.shape != (w_up.shape[0], teacher_hidden.shape[1]):
+        raise ValueError(f"teacher_head must be [{w_up.shape[0]}, {teacher_hidden.shape[1]}], "
+                         f"got {list(teacher_head.shape)}")
+    if weights is not None and weights.shape != (tokens,):
+        raise ValueError(f"weights must be [{tokens}], got {list(weights.shape)}")
+
+
+def _token_coefficients(weights: Tensor | None, tokens: int, dtype: torch.dtype, device: torch.device
+                        ) -> tuple[Tensor, Tensor | None]:
+    """Per-token factors w_t / sum(w) (1/T without weights) and the indices of the nonzero-weight tokens."""
+    if weights is None:
+        return torch.full((tokens,), 1.0 / max(tokens, 1), dtype=dtype, device=device), None
+    w = weights.detach().to(device=device, dtype=dtype)
+    keep = (w != 0).nonzero().squeeze(1)
+    total = w.sum()
+    coef = w / total if bool(total != 0) else torch.zeros_like(w)
+    return (coef, None) if keep.numel() == tokens else (coef[keep], keep)
+
+
+def full_vocab_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor,
+                  teacher_head: Tensor, *, chunk_size: int | None = None, token_chunk: int | None = None,
+                  weights: Tensor | None = None) -> Tensor:
+    """Mean over tokens of KL(p || q), p = softmax(teacher_hidden @ teacher_head.T), q = softmax(h W_down^T W_up^T).
+
+    Shapes: student_hidden [T, d], w_down [r, d], w_up [V, r], teacher_hidden [T, Ht], teacher_head [V, Ht].
+    Natural log; with ``weights`` [T] the mean is sum(w * kl) / sum(w) (tokens of weight 0 are skipped; all-zero
+    weights, or T == 0, give 0). Differentiable w.r.t. student_hidden, w_down and w_up; teacher inputs and
+    weights are constants. bf16/fp16 inputs are computed in float32 (float64 inputs in float64); the loss comes
+    back in that compute dtype, gradients in the input dtypes. Memory: one [token_chunk, chunk_size] block per
+    distribution at a time plus one token chunk's logits ([token_chunk, V] per distribution), a [V, r] gradient
+    and O(T r) vectors; no [T, V] tensor. ``chunk_size`` (vocab rows) defaults to ``DEFAULT_CHUNK_SIZE``,
+    ``token_chunk`` to the largest multiple of 64 whose logits fit in ``BUFFER_BYTES``.
+    """
+    _check(student_hidden, w_down, w_up, teacher_hidden, teacher_head, weights)
+    if chunk_size is not None and chunk_size < 1 or token_chunk is not None and token_chunk < 1:
+        raise ValueError("chunk_size and token_chunk must be positive")
+    cdtype = _compute_dtype(student_hidden, w_down, w_up, teacher_hidden, teacher_head)
+    tokens, vocab = student_hidden.shape[0], w_up.shape[0]
+    coef, keep = _token_coefficients(weights, tokens, cdtype, student_hidden.device)
+    if keep is not None:  # drop zero-weight tokens up front; autograd scatters their (zero) gradient back
+        student_hidden, teacher_hidden = student_hidden[keep], teacher_hidden[keep]
+        tokens = keep.numel()
+    if tokens == 0:
+        return (student_hidden.sum() * 0 + (w_down.sum() + w_up.sum()) * 0).to(cdtype)
+    chunk = min(chunk_size or DEFAULT_CHUNK_SIZE, vocab)
+    tchunk = min(token_chunk or _pick_token_chunk(tokens, vocab, cdtype), tokens)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (student_hidden, w_down, w_up))
+    if needs_grad:
+        return _FullVocabKL.apply(student_hidden, w_down, w_up, teacher_hidden, teacher_head, coef, chunk, tchunk)
+    with torch.no_grad():
+        z = student_hidden.to(cdtype) @ w_down.to(cdtype).T
+        return _chunked_kl(z, w_up, teacher_hidden, teacher_head, coef, chunk, tchunk, False, False)[0]
+
+
+def naive_full_vocab_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor,
+                        teacher_head: Tensor, *, weights: Tensor | None = None) -> Tensor:
+    """Reference: the same loss with every [T, V] tensor materialised and plain autograd (same dtype rules)."""
+    _check(student_hidden, w_down, w_up, teacher_hidden, teacher_head, weights)
+    cdtype = _compute_dtype(student_hidden, w_down, w_up, teacher_hidden, teacher_head)
+    with torch.no_grad():
+        log_p = torch.log_softmax(teacher_hidden.to(cdtype) @ teacher_head.to(cdtype).T, dim=-1)
+        p = log_p.exp()
+    student_logits = student_hidden.to(cdtype) @ w_down.to(cdtype).T @ w_up.to(cdtype).T
+    log_q = torch.log_softmax(student_logits, dim=-1)
+    kl = torch.where(p > 0, p * (log_p - log_q), torch.zeros((), dtype=cdtype, device=p.device)).sum(dim=-1)
+    if weights is None:
+        return kl.mean() if kl.numel() else kl.sum()
+    w = weights.detach().to(cdtype)
+    total = w.sum()
+    return (w * kl).sum() / total if bool(total != 0) else (w * kl).sum() * 0

@@ -1,0 +1,134 @@
+"""Train a whole EAGLE-3 drafter from scratch (used to build the embedded default's reference drafter).
+
+The drafter takes the target's shapes (hidden, heads, MLP width, RoPE), a draft vocabulary of the
+tokens most frequent in the target's own generations (d2t/t2d as in EAGLE), and either a full-rank
+trimmed head or a SlimSpec low-rank head. It is written in the EAGLE (yuhuili) layout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from slimspec.checkpoint.drafter import DrafterConfig
+from slimspec.checkpoint.writer import atomic_folder, check_output_free, write_json
+from slimspec.distill.pipeline import DataOptions, TargetParts, load_target_parts
+from slimspec.distill.teacher import TeacherData, TeacherSettings, build_teacher_data, default_aux_layers
+from slimspec.distill.train import DistillConfig, DistillResult, distill_drafter
+from slimspec.errors import SlimSpecError
+from slimspec.model import Eagle3Drafter, FullHead, LowRankHead
+
+
+def frequent_response_tokens(teacher: TeacherData, count: int) -> torch.Tensor:
+    """The ``count`` target ids most frequent among response tokens (ties: lower id), sorted ascending."""
+    vocab_hint = int(teacher.input_ids.max()) + 1
+    ids = teacher.input_ids[teacher.loss_mask]
+    counts = torch.bincount(ids if ids.numel() else teacher.input_ids, minlength=vocab_hint).double()
+    order = torch.argsort(-counts + torch.arange(counts.numel(), dtype=torch.float64) * 1e-9)
+    return order[:count].sort().values
+
+
+def scratch_config(target: TargetParts, draft_vocab: int) -> DrafterConfig:
+    cfg = json.loads((target.path / "config.json").read_text())
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return DrafterConfig(
+        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=int(cfg.get("head_dim") or hidden // heads), intermediate_size=int(cfg["intermediate_size"]),
+        target_hidden_size=hidden, vocab_size=int(target.head.shape[0]), draft_vocab_size=draft_vocab,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_scaling=cfg.get("rope_scaling"), max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        hidden_act=str(cfg.get("hidden_act", "silu")))
+
+
+def init_drafter(config: DrafterConfig, target: TargetParts, draft_ids: torch.Tensor, rank: int | None,
+                 seed: int) -> Eagle3Drafter:
+    """Random backbone (std 0.02, unit norms); head initialised from the target's rows of the draft vocab."""
+    torch.manual_seed(seed)
+    rows = target.head[draft_ids].clone()
+    if rank is None:
+        head = FullHead(rows)
+    else:
+        from slimspec.convert.factorize import factorize
+
+        head = LowRankHead(*factorize(rows, rank))
+    d2t = draft_ids - torch.arange(draft_ids.numel()) if draft_ids.numel() != config.vocab_size else None
+    drafter = Eagle3Drafter(config, head=head, embed_weight=target.embedding, d2t=d2t)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.startswith("lm_head"):
+                continue
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return drafter
+
+
+def train_from_scratch(
+    target: str,
+    out: str | Path,
+    *,
+    draft_vocab: int = 8192,
+    rank: int | None = None,
+    data_options: DataOptions | None = None,
+    config: DistillConfig | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> tuple[Path, DistillResult]:
+    """Train an EAGLE-3 drafter for ``target`` and write it in the EAGLE layout (``pytorch_model.bin``)."""
+    out = Path(out)
+    check_output_free(out, overwrite)
+    options = data_options or DataOptions()
+    cfg = config or DistillConfig()
+    cfg.train_backbone = True
+    parts = load_target_parts(target)
+    if not 0 < draft_vocab <= parts.head.shape[0]:
+        raise SlimSpecError(f"--draft-vocab must be in 1..{parts.head.shape[0]}, got {draft_vocab}")
+    from slimspec.distill.prompts import load_prompts
+
+    settings = TeacherSettings(responses=options.responses, max_new_tokens=options.max_new_tokens,
+                               temperature=options.temperature, max_length=options.max_length,
+                               aux_layers=tuple(options.aux_layers or default_aux_layers(parts.num_layers)))
+    teacher = build_teacher_data(parts.path, load_prompts(options.data, limit=options.num_prompts), settings,
+                                 progress=progress)
+    draft_ids = frequent_response_tokens(teacher, draft_vocab)
+    if draft_ids.numel() < draft_vocab:  # fewer distinct tokens than asked: fill with the lowest unused ids
+        unused = torch.ones(parts.head.shape[0], dtype=torch.bool)
+        unused[draft_ids] = False
+        draft_ids = torch.cat([draft_ids, unused.nonzero()[: draft_vocab - draft_ids.numel(), 0]]).sort().values
+    dcfg = scratch_config(parts, draft_vocab)
+    dcfg.aux_layer_ids = None
+    drafter = init_drafter(dcfg, parts, draft_ids, rank, cfg.seed)
+    teacher_head = parts.head[draft_ids] if draft_vocab != parts.head.shape[0] else parts.head
+    result = distill_drafter(drafter, teacher, teacher_head, cfg, checkpoint_dir=out.parent / f"{out.name}.checkpoints",
+                             progress=progress)
+    write_eagle_layout(drafter, dcfg, draft_ids, out, result, target, settings, overwrite)
+    return out, result
+
+
+def write_eagle_layout(drafter: Eagle3Drafter, config: DrafterConfig, draft_ids: torch.Tensor, out: Path,
+                       result: DistillResult, target: str, settings: TeacherSettings, overwrite: bool) -> None:
+    """EAGLE (yuhuili) layout: flat Llama config with ``draft_vocab_size``, fp16 ``pytorch_model.bin``."""
+    tensors = {k: v.detach().half().clone() if v.is_floating_point() else v.clone()
+               for k, v in drafter.canonical_state_dict(with_embedding=False).items()}
+    if config.draft_vocab_size != config.vocab_size:
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[draft_ids] = True
+        tensors["d2t"] = (draft_ids - torch.arange(draft_ids.numel())).long()
+        tensors["t2d"] = t2d
+    flat = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size, "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim, "num_hidden_layers": 1,
+            "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+            "rope_scaling": config.rope_scaling, "max_position_embeddings": config.max_position_embeddings,
+            "vocab_size": config.vocab_size, "draft_vocab_size": config.draft_vocab_size, "torch_dtype": "float16",
+            "tie_word_embeddings": False}
+    with atomic_folder(out, overwrite) as tmp:
+        torch.save(tensors, tmp / "pytorch_model.bin")
+        write_json(tmp / "config.json", flat)
+        write_json(tmp / "training.json", {"target": target, "teacher": settings.__dict__,
+                                           "distill": result.summary()})

@@ -1,0 +1,441 @@
+"""A plain-PyTorch EAGLE-3 drafter with a pluggable LM head (full or SlimSpec low-rank).
+
+One decoder layer, as in the EAGLE-3 reference and vLLM's ``Eagle3LlamaForCausalLM``::
+
+    g   = fc(aux)                                  # aux = cat(f_low, f_mid, f_high), 3*Ht wide; only step 0
+    x   = cat(input_layernorm(emb(token)), hidden_norm(g))     # embedding FIRST, 2H wide
+    h   = residual + o_proj(attn(q_proj(x), k_proj(x), v_proj(x)))   # residual = g (or hidden_norm(g))
+    h   = h + mlp(post_attention_layernorm(h))     # the pre-norm output, fed back to the next draft step
+    logits = head(norm(h))                         # draft-vocab logits; target id = i + d2t[i]
+
+Alignment (DESIGN.md §4): at position ``t`` the drafter sees target features ``f_t`` and the embedding
+of token ``x_{t+1}`` with RoPE position ``t``, and predicts ``x_{t+2}``. Draft step ``i`` (0-based) at
+position ``t`` sees token ``x_{t+1+i}`` at RoPE position ``t+i`` and predicts ``x_{t+2+i}``.
+
+Module names follow the canonical tensor names (``fc``, ``fc_norm.{i}``, ``input_norm``, ``midlayer.*``,
+``norm``), so :meth:`Eagle3Drafter.canonical_state_dict` is the module's own state plus the head's
+canonical names (``lm_head.weight`` = ``W_up`` and ``lm_head_down.weight`` = ``W_down`` for a low-rank
+head) and ``d2t``. The token embedding is the target's and stays frozen: a non-persistent buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from slimspec.checkpoint.drafter import LOWRANK_DOWN, DrafterCheckpoint, DrafterConfig
+
+KVCache = tuple[Tensor, Tensor]  # (keys, values), each [B, kv_heads, S, head_dim], RoPE already applied
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in at least float32 (as HF Llama/Qwen3)."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        xf = x.to(torch.promote_types(dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------- heads
+
+
+class FullHead(nn.Module):
+    """A plain LM head: ``logits = h @ weight.T`` with ``weight`` [V, d]."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone())
+
+    @classmethod
+    def empty(cls, vocab: int, hidden: int) -> FullHead:
+        """A randomly initialised head (nn.Linear's initialisation)."""
+        return cls(nn.Linear(hidden, vocab, bias=False).weight.data)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return F.linear(h, self.weight)
+
+    @property
+    def weight_up(self) -> Tensor:
+        return self.weight
+
+    @property
+    def weight_down(self) -> None:
+        return None
+
+    @property
+    def rank(self) -> None:
+        return None
+
+    def full_weight(self) -> Tensor:
+        return self.weight
+
+    def canonical_tensors(self) -> dict[str, Tensor]:
+        return {"lm_head.weight": self.weight}
+
+
+class LowRankHead(nn.Module):
+    """SlimSpec head ``W_up [V, r] @ W_down [r, d]``: ``logits = (h @ down.T) @ up.T``, never forming ``W``."""
+
+    def __init__(self, up: Tensor, down: Tensor) -> None:
+        super().__init__()
+        if up.dim() != 2 or down.dim() != 2 or up.shape[1] != down.shape[0]:
+            raise ValueError(f"low-rank head needs up [V, r] and down [r, d], got {list(up.shape)}, {list(down.shape)}")
+        self.up = nn.Parameter(up.detach().clone())
+        self.down = nn.Parameter(down.detach().clone())
+
+    def forward(self, h: Tensor) -> Tensor:
+        return F.linear(F.linear(h, self.down), self.up)
+
+    @property
+    def weight_up(self) -> Tensor:
+        return self.up
+
+    @property
+    def weight_down(self) -> Tensor:
+        return self.down
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+    def full_weight(self) -> Tensor:
+        """``W_up @ W_down`` [V, d] (for checks; the forward never builds it)."""
+        return self.up @ self.down
+
+    def canonical_tensors(self) -> dict[str, Tensor]:
+        return {"lm_head.weight": self.up, LOWRANK_DOWN: self.down}
+
+
+Head = FullHead | LowRankHead
+
+
+def head_from_tensors(tensors: dict[str, Tensor]) -> Head | None:
+    """The head a canonical tensor dict describes (low-rank when ``lm_head_down.weight`` is present)."""
+    if "lm_head.weight" not in tensors:
+        return None
+    if LOWRANK_DOWN in tensors:
+        return LowRankHead(tensors["lm_head.weight"], tensors[LOWRANK_DOWN])
+    return FullHead(tensors["lm_head.weight"])
+
+
+# ------------------------------------------------------------------------------------------------ RoPE
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
+    """Inverse frequencies [head_dim/2] (float64) for plain, ``linear`` or ``llama3`` RoPE scaling."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    kind = None if not scaling else (scaling.get("rope_type") or scaling.get("type"))
+    if kind in (None, "default"):
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        # long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between blended
+        smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        return (1 - smooth) * inv / factor + smooth * inv
+    raise NotImplementedError(f"RoPE scaling type {kind!r} is not supported (only default, linear, llama3)")
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` [B, heads, T, hd] by angles given as cos/sin [B, T, hd] (HF half-split convention)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+# ----------------------------------------------------------------------------------------------- layer
+
+
+class Eagle3Attention(nn.Module):
+    """Attention over the 2H-wide input; GQA, explicit head_dim, optional Qwen3 q/k norms, a (k, v) cache."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ValueError(f"{cfg.num_attention_heads} heads do not share {cfg.num_key_value_heads} kv heads")
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h2 = 2 * cfg.hidden_size
+        self.q_proj = nn.Linear(h2, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h2, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h2, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: KVCache | None,
+                mask: Tensor) -> tuple[Tensor, KVCache]:
+        """``mask`` is boolean [B or 1, T, S] (True = may attend), S = cached + new keys."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        if self.qk_norm:  # Qwen3: per-head RMSNorm over head_dim, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        rep = self.heads // self.kv_heads
+        out = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), attn_mask=mask.unsqueeze(1)
+        )
+        out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        return self.o_proj(out), (k, v)
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise NotImplementedError(f"activation {cfg.hidden_act!r} is not supported")
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    """The single EAGLE-3 decoder layer (canonical prefix ``midlayer.``)."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = Eagle3MLP(cfg)
+        self.norm_before_residual = cfg.norm_before_residual
+
+    def forward(self, emb: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, past: KVCache | None,
+                mask: Tensor) -> tuple[Tensor, KVCache]:
+        normed = self.hidden_norm(hidden)
+        # vLLM llama_eagle3.py: norm_before_residual -> the residual is the normed hidden, else the raw one
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)
+        attn, kv = self.self_attn(x, cos, sin, past, mask)
+        h = residual + attn
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, kv
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 drafter: ``combine`` (fc), one decoder layer (``forward``), ``logits``, and the TTT unroll."""
+
+    def __init__(self, config: DrafterConfig, head: Head | None = None, embed_weight: Tensor | None = None,
+                 d2t: Tensor | None = None) -> None:
+        super().__init__()
+        cfg = config
+        self.config = cfg
+        n, ht = cfg.num_aux_hidden_states, cfg.target_hidden_size
+        self.input_norm = RMSNorm(n * ht, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(ht, cfg.rms_norm_eps) for _ in range(n)) if cfg.fc_norm else None
+        self.fc = nn.Linear(n * ht, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head: Head | None = head if head is not None else FullHead.empty(cfg.draft_vocab_size, cfg.hidden_size)
+        if self.lm_head is not None:
+            up, down = self.lm_head.weight_up, self.lm_head.weight_down
+            width = up.shape[1] if down is None else down.shape[1]
+            if up.shape[0] != cfg.draft_vocab_size or width != cfg.hidden_size:
+                raise ValueError(f"head maps {width} -> {up.shape[0]}, config needs {cfg.hidden_size} -> "
+                                 f"{cfg.draft_vocab_size}")
+        # float64, not a buffer: model.to(bfloat16) must not round the frequencies
+        self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self._embed_in_checkpoint = False
+        self.register_buffer("embed_weight", None, persistent=False)
+        if embed_weight is not None:
+            self.set_embedding(embed_weight)
+        self.register_buffer("d2t", None if d2t is None else d2t.long().clone())
+
+    # -------------------------------------------------------------------------------- building, saving
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: DrafterCheckpoint, embed_weight: Tensor | None = None,
+                        dtype: torch.dtype = torch.float32, head: Head | None = None) -> Eagle3Drafter:
+        """Build from a canonical checkpoint. The embedding is ``embed_weight`` (the target's) unless the
+        checkpoint carries ``embed_tokens.weight``; ``head`` overrides the checkpoint's head (needed for
+        drafters that share the target's head and carry none)."""
+        t = ckpt.tensors
+        if head is None:
+            head = head_from_tensors(t)
+            if head is None:
+                raise ValueError("the checkpoint has no lm_head.weight: pass head= (e.g. the target's, as FullHead)")
+        embed = t.get("embed_tokens.weight", embed_weight)
+        model = cls(ckpt.config, head=head, embed_weight=embed, d2t=t.get("d2t"))
+        own = {k: v for k, v in t.items() if not k.startswith("lm_head") and k not in
+               ("d2t", "t2d", "embed_tokens.weight")}
+        state = {k: v for k, v in model.state_dict().items() if not k.startswith("lm_head.") and k != "d2t"}
+        if set(own) != set(state):
+            raise ValueError(f"checkpoint tensors do not match its config (fc_norm, norm_before_fc, model_type): "
+                             f"{sorted(set(own) - set(state))} unexpected, {sorted(set(state) - set(own))} missing")
+        with torch.no_grad():
+            for name, tensor in own.items():
+                if tuple(state[name].shape) != tuple(tensor.shape):
+                    raise ValueError(f"{name}: checkpoint {list(tensor.shape)} vs model {list(state[name].shape)}")
+                state[name].copy_(tensor)
+        model._embed_in_checkpoint = "embed_tokens.weight" in t
+        return model.to(dtype)
+
+    def set_embedding(self, weight: Tensor) -> None:
+        """Use ``weight`` [V, H] (the target's token embedding) as the frozen embedding."""
+        if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(f"embedding {list(weight.shape)} is not [vocab {self.config.vocab_size}, "
+                             f"hidden {self.config.hidden_size}]")
+        ref = self.fc.weight
+        self.embed_weight = weight.detach().to(device=ref.device, dtype=ref.dtype).clone()
+
+    def canonical_state_dict(self, with_embedding: bool | None = None, with_t2d: bool = False) -> dict[str, Tensor]:
+        """Tensors under canonical names (see ``checkpoint/drafter.py``); round-trips with ``from_checkpoint``.
+
+        ``embed_tokens.weight`` is included when the checkpoint carried it (or ``with_embedding``); the boolean
+        ``t2d`` mask (derived from ``d2t``) only on request."""
+        out = {k: v for k, v in self.state_dict().items() if not k.startswith("lm_head.") and k != "d2t"}
+        if self.lm_head is not None:
+            out.update(self.lm_head.canonical_tensors())
+        if self.d2t is not None:
+            out["d2t"] = self.d2t
+            if with_t2d:
+                t2d = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=self.d2t.device)
+                t2d[self.draft_to_target(torch.arange(self.d2t.numel(), device=self.d2t.device))] = True
+                out["t2d"] = t2d
+        if with_embedding is None:
+            with_embedding = getattr(self, "_embed_in_checkpoint", False)
+        if with_embedding and self.embed_weight is not None:
+            out["embed_tokens.weight"] = self.embed_weight
+        return {k: v.detach() for k, v in out.items()}
+
+    def draft_to_target(self, ids: Tensor) -> Tensor:
+        """Target token ids of draft token ids: ``ids + d2t[ids]`` (identity without d2t)."""
+        return ids if self.d2t is None else ids + self.d2t[ids]
+
+    # ------------------------------------------------------------------------------------------ forward
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        if self.embed_weight is None:
+            raise ValueError("no token embedding: pass embed_weight (the target's) or inputs_embeds")
+        return F.embedding(input_ids, self.embed_weight)
+
+    def combine(self, aux: Tensor) -> Tensor:
+        """Target features ``aux`` [B, T, n*Ht] -> ``g`` [B, T, H]: input_norm / per-chunk fc_norm, then fc."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(aux)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [B, T, head_dim] for integer ``positions`` [B, T]; angles in float32 (as HF and vLLM) or
+        float64 for a float64 model."""
+        dtype = self.fc.weight.dtype
+        exact = torch.promote_types(dtype, torch.float32)
+        inv_freq = self._inv_freq.to(device=positions.device, dtype=exact)
+        angles = positions.to(exact).unsqueeze(-1) * inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, input_ids: Tensor | None = None, hidden: Tensor | None = None, positions: Tensor | None = None,
+                past_key_values: KVCache | None = None, attention_mask: Tensor | None = None,
+                inputs_embeds: Tensor | None = None) -> tuple[Tensor, KVCache]:
+        """One pass of the decoder layer over T new positions; returns (pre-norm h [B, T, H], new cache).
+
+        ``hidden`` [B, T, H] is ``combine(aux)`` on step 0, or a previous step's output (see ``next_hidden``).
+        ``positions`` [B, T] default to ``cached + arange(T)``. ``attention_mask``: boolean [B or 1, T, S]
+        over S = cached + T keys (True = may attend); default causal with every cached key visible.
+        The returned cache holds the cached and the new keys/values (RoPE applied).
+        """
+        if hidden is None:
+            raise ValueError("hidden is required")
+        emb = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        b, t, _ = hidden.shape
+        past_len = 0 if past_key_values is None else past_key_values[0].shape[2]
+        if positions is None:
+            positions = torch.arange(past_len, past_len + t, device=hidden.device).expand(b, t)
+        if attention_mask is None:
+            q = torch.arange(t, device=hidden.device).unsqueeze(1) + past_len
+            attention_mask = (torch.arange(past_len + t, device=hidden.device).unsqueeze(0) <= q).unsqueeze(0)
+        cos, sin = self.rope(positions)
+        return self.midlayer(emb, hidden, cos, sin, past_key_values, attention_mask)
+
+    def normed(self, h: Tensor) -> Tensor:
+        """The final norm of a pre-norm output."""
+        return self.norm(h)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Draft-vocab logits ``head(norm(h))`` of pre-norm outputs ``h``."""
+        if self.lm_head is None:
+            raise ValueError("this drafter has no head")
+        return self.lm_head(self.norm(h))
+
+    def next_hidden(self, h: Tensor) -> Tensor:
+        """What the next draft step takes as ``hidden``: the pre-norm ``h``, or ``norm(h)`` if ``norm_output``
+        (the EAGLE 3.1 variant, as speculators and vLLM read that flag)."""
+        return self.norm(h) if self.config.norm_output else h
+
+    def ttt_forward(self, input_ids: Tensor, aux: Tensor, steps: int, positions: Tensor | None = None,
+                    inputs_embeds: Tensor | None = None) -> list[Tensor]:
+        """Training-time-test unroll: ``steps`` pre-norm outputs, each [B, T, H].
+
+        ``input_ids`` [B, T+steps] are the tokens x_0..x_{T+steps-1}; ``aux`` [B, T, n*Ht] the target
+        features f_0..f_{T-1} (``inputs_embeds`` [B, T+steps, H] may replace the ids).
+
+        Step 0 at position t: hidden ``combine(f_t)``, token x_{t+1}, RoPE position t (``positions``, default
+        0..T-1). Step i >= 1: hidden ``next_hidden`` of step i-1 at t, token x_{t+1+i}, RoPE position t+i.
+        Step i at position t predicts **x_{t+2+i}** (its teacher is the target's distribution at t+1+i).
+        Step i's query at t attends causally to step-0 keys at positions <= t plus the keys of steps 1..i at
+        position t only -- exactly what a cached draft chain at inference sees.
+        """
+        emb = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        b, t, _ = aux.shape
+        if emb.shape[1] < t + steps:
+            raise ValueError(f"need T+steps = {t + steps} tokens for {steps} steps over T={t}, got {emb.shape[1]}")
+        if positions is None:
+            positions = torch.arange(t, device=aux.device).expand(b, t)
+        idx = torch.arange(t, device=aux.device)
+        causal = idx.unsqueeze(0) <= idx.unsqueeze(1)  # [T query, T key]
+        diag = idx.unsqueeze(0) == idx.unsqueeze(1)
+        hidden = self.combine(aux)
+        cache: KVCache | None = None
+        outputs: list[Tensor] = []
+        for i in range(steps):
+            mask = torch.cat([causal] + [diag] * i, dim=1).unsqueeze(0)  # [1, T, (i+1)T]
+            h, cache = self.forward(inputs_embeds=emb[:, 1 + i:1 + i + t], hidden=hidden, positions=positions + i,
+                                    past_key_values=cache, attention_mask=mask)
+            outputs.append(h)
+            hidden = self.next_hidden(h)
+        return outputs

@@ -1,0 +1,151 @@
+"""Distillation on a tiny target: teacher data, alignment, the loop, resume, NaN, whitened init, CLI."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import slimspec
+from slimspec.cli import main
+from slimspec.distill.pipeline import DataOptions, distill
+from slimspec.distill.prompts import Prompt, load_prompts
+from slimspec.distill.teacher import TeacherSettings, build_teacher_data, load_target_model
+from slimspec.distill.train import DistillConfig, _sequence_inputs
+
+pytestmark = pytest.mark.slow
+FEW = DataOptions(num_prompts=6, responses="regenerate", max_new_tokens=12)
+
+
+def test_teacher_features_and_cache(tiny_target, tmp_path, monkeypatch):
+    """Catches wrong feature layers (must be HF hidden_states[i], i = layer entered), an un-normed final state,
+    a loss mask that covers the prompt, and a cache that reruns the target."""
+    prompts = [Prompt("a", "Say hi."), Prompt("b", "Count to three.")]
+    settings = TeacherSettings(max_new_tokens=8, aux_layers=(1, 2, 3))
+    data = build_teacher_data(tiny_target, prompts, settings, cache_root=tmp_path, progress=False)
+    model, _ = load_target_model(tiny_target)
+    seq = data.sequence(0)
+    out = model(input_ids=seq["input_ids"][None], output_hidden_states=True)
+    expected_aux = torch.cat([out.hidden_states[i][0] for i in (1, 2, 3)], -1)
+    assert torch.allclose(seq["aux"].float(), expected_aux, atol=2e-2, rtol=2e-2)  # stored as bf16
+    logits = seq["final"].float() @ model.lm_head.weight.T
+    assert torch.allclose(logits, out.logits[0], atol=0.05)
+    assert not seq["loss_mask"][0] and seq["loss_mask"][-1]
+    monkeypatch.setattr("slimspec.distill.teacher.load_target_model", lambda *a, **k: 1 / 0)
+    again = build_teacher_data(tiny_target, prompts, settings, cache_root=tmp_path, progress=False)
+    assert torch.equal(again.aux, data.aux) and again.folder == data.folder
+    other = TeacherSettings(max_new_tokens=9, aux_layers=(1, 2, 3))
+    with pytest.raises(ZeroDivisionError):  # other settings -> other key -> the target must run
+        build_teacher_data(tiny_target, prompts, other, cache_root=tmp_path, progress=False)
+
+
+def test_alignment_indices(tiny_target, tmp_path):
+    """Catches the off-by-one that trains and never accepts: step i at position t must be taught by the
+    target's distribution at t+1+i, weighted by the loss mask there."""
+    prompts = [Prompt("a", "Say hi.")]
+    data = build_teacher_data(tiny_target, prompts, TeacherSettings(max_new_tokens=6, aux_layers=(1, 2, 3)),
+                              cache_root=tmp_path, progress=False)
+    seq, positions, teacher_index, weight = _sequence_inputs(data, 0, 3)
+    assert positions == seq["input_ids"].numel() - 3
+    for t in (0, positions - 1):
+        for i in range(3):
+            assert int(teacher_index[t, i]) == t + 1 + i
+            assert float(weight[t, i]) == float(seq["loss_mask"][t + 1 + i])
+
+
+def test_convert_with_whitened_init_and_distill(tiny_converted, tiny_target, tmp_path):
+    """Catches a loop that does not reduce the held-out KL, and a missing side-by-side init report."""
+    res = slimspec.convert(str(tmp_path / "drafter"), str(tiny_target), 8, out=tmp_path / "o", init="whitened",
+                           distill_steps=15, data_options=FEW, progress=False,
+                           distill_config=DistillConfig(lr=1e-2, warmup_steps=2, batch_tokens=256))
+    rep = res.report
+    assert set(rep["init_kl"]) == {"svd", "whitened"} and rep["init"] == "whitened"
+    assert rep["distill"]["kl_after"] < rep["distill"]["kl_before"]
+    assert abs(rep["distill"]["kl_before"] - rep["init_kl"]["whitened"]["step0_kl"]) < 1e-4
+    saved = json.loads((tmp_path / "o" / "slimspec.json").read_text())
+    assert saved["distill"]["steps"] == 15
+
+
+def test_resume_is_bit_for_bit(tiny_converted, tiny_target, tmp_path):
+    """Catches a resume that changes the data order, optimizer state or RNG: the resumed run must end
+    with exactly the same head as an uninterrupted one."""
+    cfg = dict(steps=6, save_every=3, batch_tokens=128, warmup_steps=2)
+    full_out, full = distill(tiny_converted, str(tiny_target), out=tmp_path / "full", config=DistillConfig(**cfg),
+                             data_options=FEW, progress=False)
+    # interrupted: run 3 steps (keeping the checkpoint), then resume to 6
+    part_cfg = DistillConfig(**cfg)
+    import slimspec.distill.train as train
+
+    original = train._lr_at
+    calls = {"n": 0}
+
+    def crash_after_three(step, c):
+        calls["n"] += 1
+        if step == 3:
+            raise KeyboardInterrupt
+        return original(step, c)
+
+    train._lr_at = crash_after_three
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            distill(tiny_converted, str(tiny_target), out=tmp_path / "part", config=part_cfg, data_options=FEW,
+                    progress=False)
+    finally:
+        train._lr_at = original
+    assert not (tmp_path / "part").exists() and (tmp_path / "part.checkpoints" / "step-000003.pt").exists()
+    _, resumed = distill(tiny_converted, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg),
+                         data_options=FEW, resume=True, progress=False)
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(full_out / "model.safetensors")), load_file(str(tmp_path / "part" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nan_stops_with_clear_message(tiny_converted, tiny_target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_converted / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["lm_head_down.weight"][0, 0] = float("nan")
+    save_file(tensors, str(path))
+    result = CliRunner().invoke(main, ["distill", str(tiny_converted), "-t", str(tiny_target), "--steps", "3",
+                                       "--num-prompts", "4", "--max-new-tokens", "8", "-o", str(tmp_path / "o"),
+                                       "-q"])
+    assert result.exit_code == 2
+    assert "loss became nan at step 1" in result.stderr and not (tmp_path / "o").exists()
+
+
+def test_cli_distill_json(tiny_converted, tiny_target, tmp_path):
+    result = CliRunner().invoke(main, ["distill", str(tiny_converted), "-t", str(tiny_target), "--steps", "4",
+                                       "--num-prompts", "4", "--max-new-tokens", "8", "--batch-tokens", "64",
+                                       "-o", str(tmp_path / "o"), "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["steps"] == 4 and summary["kl_after"] > 0
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["slimspec"]["distilled_steps"] == 4
+
+
+def test_prompts_sources(tmp_path):
+    rows = [{"turns": ["hello"]}, {"messages": [{"role": "user", "content": "hi there"}]}, {"prompt": "p"}]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert [p.text for p in load_prompts(str(tmp_path / "*.jsonl"))] == ["hello", "hi there", "p"]
+    assert len(load_prompts(None)) == 300
+
+
+def test_from_scratch_trains_an_eagle_layout_drafter(tiny_target, tmp_path):
+    """Catches a from-scratch drafter that does not learn or is not a valid EAGLE-layout checkpoint:
+    the held-out KL must fall, and the folder must load and convert like any published drafter."""
+    from slimspec.checkpoint import load_drafter
+
+    result = CliRunner().invoke(main, ["distill", "--from-scratch", "-t", str(tiny_target), "--draft-vocab", "300",
+                                       "--steps", "25", "--lr", "5e-3", "--num-prompts", "8", "--max-new-tokens",
+                                       "16", "--batch-tokens", "128", "-o", str(tmp_path / "scratch"), "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["kl_after"] < summary["kl_before"]
+    ckpt = load_drafter(tmp_path / "scratch")
+    assert ckpt.layout == "eagle" and ckpt.config.draft_vocab_size == 300 and ckpt.dtype == torch.float16
+    assert ckpt.tensors["t2d"].sum() == 300
+    res = slimspec.convert(str(tmp_path / "scratch"), str(tiny_target), 4, out=tmp_path / "conv", progress=False)
+    assert res.report["rows_from_drafter"] == 300
