@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test]"
+	# speculators' EAGLE-3 model is the independent reference for our drafter's forward (tests only).
+	# --no-deps: its declared pins would downgrade datasets and pull torchvision/torchaudio next to our torch.
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps speculators==0.9.0 hs-connectors==0.9.0 \
+		openai==3.57.0 sniffio==1.3.1
 	touch $(STAMP)
 
 demo: setup

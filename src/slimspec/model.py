@@ -312,12 +312,13 @@ class Eagle3Drafter(nn.Module):
         return model.to(dtype)
 
     def set_embedding(self, weight: Tensor) -> None:
-        """Use ``weight`` [V, H] (the target's token embedding) as the frozen embedding."""
+        """Use ``weight`` [V, H] (the target's token embedding) as the frozen embedding; shared, not copied,
+        when its dtype and device already fit (it is never written to)."""
         if tuple(weight.shape) != (self.config.vocab_size, self.config.hidden_size):
             raise ValueError(f"embedding {list(weight.shape)} is not [vocab {self.config.vocab_size}, "
                              f"hidden {self.config.hidden_size}]")
         ref = self.fc.weight
-        self.embed_weight = weight.detach().to(device=ref.device, dtype=ref.dtype).clone()
+        self.embed_weight = weight.detach().to(device=ref.device, dtype=ref.dtype)
 
     def canonical_state_dict(self, with_embedding: bool | None = None, with_t2d: bool = False) -> dict[str, Tensor]:
         """Tensors under canonical names (see ``checkpoint/drafter.py``); round-trips with ``from_checkpoint``.

@@ -14,9 +14,6 @@ import dataclasses
 
 import pytest
 import torch
-
-pytest.importorskip("speculators.models.eagle3", reason="speculators==0.9.0 not installed (make setup installs it)")
-
 from speculators.config import SpeculatorsConfig, VerifierConfig  # noqa: E402
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig  # noqa: E402
 from speculators.proposals.greedy import GreedyTokenProposalConfig  # noqa: E402

@@ -178,6 +178,7 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
             raise CheckpointError(f"drafter config lacks {key!r}")
         return layer[key]
 
+    rope = layer.get("rope_parameters") if isinstance(layer.get("rope_parameters"), dict) else {}
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     kv_heads = int(layer.get("num_key_value_heads") or heads)
@@ -221,8 +222,9 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
         vocab_size=vocab,
         draft_vocab_size=int(draft_vocab),
         rms_norm_eps=float(layer.get("rms_norm_eps") or 1e-6),
-        rope_theta=float(layer.get("rope_theta") or 10000.0),
-        rope_scaling=layer.get("rope_scaling"),
+        # transformers 5 writes rope_parameters {rope_type, rope_theta, ...} instead of rope_theta/rope_scaling
+        rope_theta=float(layer.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_scaling=layer.get("rope_scaling") or _scaling_from_parameters(rope),
         max_position_embeddings=int(layer.get("max_position_embeddings") or 2048),
         hidden_act=str(layer.get("hidden_act") or "silu"),
         model_type=model_type,
@@ -236,6 +238,13 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
         target_model=target_model,
         extra={k: v for k, v in layer.items() if k not in known and isinstance(v, (int, float, str, bool))},
     )
+
+
+def _scaling_from_parameters(rope: dict[str, Any]) -> dict[str, Any] | None:
+    kind = rope.get("rope_type") or rope.get("type")
+    if not kind or kind == "default":
+        return None
+    return {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
 def _check_shapes(cfg: DrafterConfig, t: dict[str, torch.Tensor], where: Path) -> None:
@@ -309,6 +318,9 @@ def load_drafter(folder: str | Path) -> DrafterCheckpoint:
     tensors = {canon: loaded[src] for canon, src in mapping.items()}
     layout = detect_layout(raw, set(mapping))
     cfg = _build_config(raw, layout, tensors)
+    if "input_norm.weight" in tensors and not cfg.norm_before_fc:  # vLLM follows the flag and ignores the tensor
+        del tensors["input_norm.weight"]
+        dropped.append(mapping["input_norm.weight"])
     _check_shapes(cfg, tensors, folder)
     return DrafterCheckpoint(
         layout=layout,

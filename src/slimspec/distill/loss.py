@@ -24,10 +24,10 @@ from torch import Tensor
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "full_vocab_kl", "naive_full_vocab_kl"]
 
-DEFAULT_CHUNK_SIZE = 8192
+DEFAULT_CHUNK_SIZE = 4096
 """Vocabulary rows per chunk when ``chunk_size`` is None (tuned on a 2-core AVX-512 CPU, scripts/bench_kl.py)."""
 
-BUFFER_BYTES = 512 * 2**20
+BUFFER_BYTES = 256 * 2**20
 """Budget for one token chunk's teacher + student logits when ``token_chunk`` is None."""
 
 _TOKEN_ROUND = 64
