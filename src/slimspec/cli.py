@@ -219,6 +219,46 @@ def _init_distributed() -> None:
             dist.init_process_group("gloo")
 
 
+@main.command(name="eval")
+@click.argument("drafter")
+@click.option("--target", "-t", help="Target model (default: the one the drafter names).")
+@click.option("--dataset", default="mt_bench", show_default=True,
+              help="mt_bench, humaneval, gsm8k (shipped), or a jsonl file with `turns`.")
+@click.option("--num-prompts", type=int, default=8, show_default=True, help="First N prompts (0: all).")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--draft-tokens", "-k", type=int, default=4, show_default=True, help="Draft chain length K.")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="0: greedy (output identical to the target's); > 0: speculative sampling.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--baseline", help="A second drafter measured in the same run (rho_tau = tau / tau_baseline).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+def eval_command(drafter: str, target: str | None, dataset: str, num_prompts: int, max_new_tokens: int,
+                 draft_tokens: int, temperature: float, seed: int, baseline: str | None, as_json: bool,
+                 quiet: bool) -> None:
+    """Measure DRAFTER's acceptance length tau by reference speculative decoding against the target."""
+    from slimspec.evaluate.acceptance import evaluate
+
+    report = evaluate(drafter, target, dataset=dataset, num_prompts=num_prompts or None,
+                      max_new_tokens=max_new_tokens, draft_tokens=draft_tokens, temperature=temperature, seed=seed,
+                      baseline=baseline, progress=not quiet)
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    click.echo(f"{dataset}, {report['num_prompts']} prompts, K={draft_tokens}, T={temperature}, "
+               f"{max_new_tokens} new tokens")
+    header = f"{'':<26}{'drafter':>12}" + (f"{'baseline':>12}" if baseline else "")
+    click.echo(header)
+    runs = [report] + ([report["baseline"]] if baseline else [])
+    click.echo(f"{'tau':<26}" + "".join(f"{r['tau']:>12.3f}" for r in runs))
+    for j in range(draft_tokens):
+        click.echo(f"{f'acceptance @ {j + 1}':<26}" + "".join(f"{r['acceptance_per_position'][j]:>12.3f}"
+                                                            for r in runs))
+    click.echo(f"{'tokens/s':<26}" + "".join(f"{r['tokens_per_second']:>12.1f}" for r in runs))
+    if baseline:
+        click.echo(f"{'rho_tau':<26}{report['rho_tau']:>12.3f}")
+
+
 @main.command()
 @click.argument("drafter")
 @click.option("--target", "-t", help="Target model, to measure the full-vocabulary head too.")

@@ -1,0 +1,1 @@
+"""Acceptance length (reference speculative decoding), head latency, and the paper's cost model."""

@@ -1,0 +1,113 @@
+"""`slimspec eval`: acceptance length tau of a drafter on eval prompts, optionally beside a baseline."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slimspec.errors import SlimSpecError
+from slimspec.evaluate.spec_decode import DecodeStats, SpeculativeDecoder
+
+DATASETS = ("mt_bench", "humaneval", "gsm8k")
+
+
+def eval_prompts(dataset: str, num_prompts: int | None) -> list[str]:
+    """First turns of a shipped eval set (mt_bench, humaneval, gsm8k) or of any jsonl with ``turns``."""
+    if dataset in DATASETS:
+        text = resources.files("slimspec").joinpath(f"data/eval/{dataset}.jsonl").read_text(encoding="utf-8")
+    else:
+        path = Path(dataset)
+        if not path.exists():
+            raise SlimSpecError(f"--dataset {dataset}: not one of {', '.join(DATASETS)} and no such file")
+        text = path.read_text(encoding="utf-8")
+    try:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        prompts = [r["turns"][0] for r in rows]
+    except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+        raise SlimSpecError(f"--dataset {dataset}: expected jsonl rows with a 'turns' list ({exc})") from None
+    return prompts[:num_prompts] if num_prompts else prompts
+
+
+def _stats_dict(stats: DecodeStats, num_prompts: int) -> dict[str, Any]:
+    return {"tau": stats.tau, "acceptance_per_position": stats.acceptance_per_position,
+            "tokens_per_second": stats.tokens_per_second, "num_prompts": num_prompts, "rounds": stats.rounds,
+            "new_tokens": stats.new_tokens, "seconds": stats.seconds}
+
+
+def load_for_eval(drafter: str, target: str | None):
+    """(drafter model, aux layers, target parts) for a drafter id/folder."""
+    from slimspec import embedded
+    from slimspec.checkpoint import load_drafter
+    from slimspec.distill.pipeline import drafter_model, load_target_parts
+    from slimspec.distill.teacher import aux_layers_for
+    from slimspec.hub import resolve_model
+
+    ckpt = load_drafter(resolve_model(drafter, "drafter"))
+    target = target or (ckpt.raw_config.get("slimspec") or {}).get("target") or ckpt.config.target_model
+    if target is None and embedded.is_embedded(drafter):
+        target = embedded.EMBEDDED_TARGET
+    if target is None:
+        raise SlimSpecError("--target is needed (the drafter names no target)")
+    parts = load_target_parts(target)
+    layers = aux_layers_for(ckpt.config.aux_layer_ids, ckpt.layout, parts.num_layers)
+    return drafter_model(ckpt, parts), layers, parts, target
+
+
+def evaluate(
+    drafter: str,
+    target: str | None = None,
+    *,
+    dataset: str = "mt_bench",
+    num_prompts: int | None = 8,
+    max_new_tokens: int = 128,
+    draft_tokens: int = 4,
+    temperature: float = 0.0,
+    seed: int = 0,
+    baseline: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """tau, per-position acceptance and tokens/s of ``drafter`` (and ``baseline``, with rho_tau) on eval prompts."""
+    from tqdm.auto import tqdm
+
+    from slimspec.distill.teacher import _chat_ids, load_target_model
+
+    model, layers, parts, target = load_for_eval(drafter, target)
+    prompts = eval_prompts(dataset, num_prompts)
+    target_model, tokenizer = load_target_model(parts.path)
+    runs = [("drafter", model, layers)]
+    if baseline is not None:
+        base_model, base_layers, _, _ = load_for_eval(baseline, target)
+        runs.append(("baseline", base_model, base_layers))
+    results: dict[str, Any] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for name, draft_model, aux in runs:
+        decoder = SpeculativeDecoder(target_model, draft_model, aux, draft_tokens=draft_tokens,
+                                     temperature=temperature, eos_token_id=tokenizer.eos_token_id, seed=seed)
+        stats = DecodeStats(accepted_per_position=[0] * draft_tokens)
+        outputs[name] = []
+        for prompt in tqdm(prompts, desc=f"[slimspec] eval {name}", disable=not progress, leave=False):
+            ids, _ = _chat_ids(tokenizer, prompt)
+            out, s = decoder.generate(ids, max_new_tokens)
+            outputs[name].append(out)
+            stats.add(s)
+        results[name] = _stats_dict(stats, len(prompts))
+    report = {**results["drafter"], "drafter": drafter, "target": target, "dataset": dataset,
+              "draft_tokens": draft_tokens, "temperature": temperature, "max_new_tokens": max_new_tokens}
+    if baseline is not None:
+        report["baseline"] = {**results["baseline"], "drafter": baseline}
+        report["rho_tau"] = results["drafter"]["tau"] / results["baseline"]["tau"]
+        if temperature <= 0:
+            report["outputs_identical_to_baseline"] = outputs["drafter"] == outputs["baseline"]
+    return report
+
+
+@torch.no_grad()
+def target_greedy(target_model, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    """The target's own greedy continuation (the losslessness reference)."""
+    out = target_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                eos_token_id=eos, pad_token_id=eos)
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,117 @@
+"""Reference speculative decoding: lossless at T=0 (token-identical) and in distribution at T>0."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from slimspec.checkpoint import load_drafter
+from slimspec.cli import main
+from slimspec.evaluate.spec_decode import SpeculativeDecoder
+from slimspec.model import Eagle3Drafter
+from tests.layouts import Spec, write_drafter
+
+pytestmark = pytest.mark.slow
+
+
+def _tiny_llama(vocab: int, scale: float, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, eos_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def _tiny_drafter(tmp_path, vocab: int, draft_vocab: int, seed: int = 3) -> Eagle3Drafter:
+    write_drafter(tmp_path / "d", "eagle", Spec(vocab=vocab, draft_vocab=draft_vocab, seed=seed))
+    ckpt = load_drafter(tmp_path / "d")
+    with torch.no_grad():
+        ckpt.tensors["lm_head.weight"].mul_(20)
+    return Eagle3Drafter.from_checkpoint(ckpt, embed_weight=torch.randn(vocab, 32))
+
+
+def test_greedy_is_token_identical_to_target(tiny_target, tmp_path):
+    """Catches any cache/position bookkeeping error: greedy speculative output must equal target.generate."""
+    from slimspec.distill.teacher import load_target_model
+
+    target, _ = load_target_model(tiny_target)
+    write_drafter(tmp_path / "d", "eagle", Spec(vocab=target.config.vocab_size, draft_vocab=512))
+    drafter = Eagle3Drafter.from_checkpoint(load_drafter(tmp_path / "d"),
+                                            embed_weight=target.model.embed_tokens.weight.detach())
+    for k in (1, 3):
+        decoder = SpeculativeDecoder(target, drafter, (1, 2, 3), draft_tokens=k, eos_token_id=-1)
+        for prompt in ([1, 9690, 198, 2683], [5, 6, 7, 8, 9, 10, 11]):
+            out, stats = decoder.generate(prompt, 25)
+            ref = target.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            assert out == ref
+            assert stats.new_tokens == 25 and stats.rounds >= 25 // (k + 1)
+            assert abs(stats.tau - (stats.new_tokens - 1) / stats.rounds) < 1.0 + 1e-9
+
+
+def test_greedy_accepts_when_drafter_agrees(tmp_path):
+    """Catches an acceptance rule that never accepts: a drafter whose head copies the target's next-token
+    choice for the tokens it sees must get tau > 1 on a peaked target."""
+    target = _tiny_llama(40, scale=1.0)
+    drafter = _tiny_drafter(tmp_path, 40, 40)
+    decoder = SpeculativeDecoder(target, drafter, (1, 2, 3), draft_tokens=2, eos_token_id=-1)
+    out, _ = decoder.generate([1, 2, 3], 30)
+    favourite = max(set(out), key=out.count)
+    # a constant drafter: all-zero logits make draft id 0 the argmax, and d2t maps it to the favourite token
+    with torch.no_grad():
+        drafter.lm_head.weight_up.zero_()
+    drafter.d2t = torch.zeros(40, dtype=torch.long)
+    drafter.d2t[0] = favourite
+    out2, stats = decoder.generate([1, 2, 3], 30)
+    assert out2 == out
+    expected = sum(1 for i in range(1, len(out)) if out[i] == favourite) > 0
+    assert expected and stats.tau > 1.0
+
+
+def test_sampling_is_lossless_in_distribution(tmp_path):
+    """Catches a wrong accept/resample rule (e.g. accepting drafts without min(1, p/q), or sampling the
+    residual wrongly): the first two sampled tokens must follow the target's own distribution, although
+    the drafter's q (a trimmed 16-token vocabulary) is far from p."""
+    vocab, n = 24, 3000
+    target = _tiny_llama(vocab, scale=6.0, seed=1)
+    drafter = _tiny_drafter(tmp_path, vocab, 16)
+    decoder = SpeculativeDecoder(target, drafter, (1, 2, 3), draft_tokens=2, temperature=1.0, eos_token_id=-1,
+                                 seed=0)
+    prompt = [3, 1, 4, 1, 5]
+    counts = torch.zeros(2, vocab)
+    for _ in range(n):
+        out, _ = decoder.generate(prompt, 2)
+        counts[0, out[0]] += 1
+        counts[1, out[1]] += 1
+    with torch.no_grad():
+        p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1], -1)
+        nxt = torch.tensor([prompt + [t] for t in range(vocab)])
+        p2 = (p1[:, None] * torch.softmax(target(nxt).logits[:, -1], -1)).sum(0)
+    tv1 = 0.5 * float((counts[0] / n - p1).abs().sum())
+    tv2 = 0.5 * float((counts[1] / n - p2).abs().sum())
+    assert tv1 < 0.05 and tv2 < 0.05, (tv1, tv2)
+    # the test can fail: the drafter's own distribution is far from the target's
+    q = torch.zeros(vocab)
+    d_ids = drafter.draft_to_target(torch.arange(16))
+    with torch.no_grad():
+        h, _ = drafter(input_ids=torch.tensor([prompt[1:] + [0]]), hidden=drafter.combine(torch.zeros(1, 5, 96)))
+        q[d_ids] = torch.softmax(drafter.logits(h)[0, -1], -1)
+    assert 0.5 * float((q - p1).abs().sum()) > 0.2
+
+
+def test_cli_eval_json_with_baseline(tiny_converted, tiny_target, tmp_path):
+    result = CliRunner().invoke(main, ["eval", str(tiny_converted), "-t", str(tiny_target), "--num-prompts", "2",
+                                       "--max-new-tokens", "12", "--baseline", str(tmp_path / "drafter"), "--json",
+                                       "-q"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    for key in ("tau", "acceptance_per_position", "tokens_per_second", "num_prompts"):
+        assert key in report and key in report["baseline"]
+    assert report["rho_tau"] == pytest.approx(report["tau"] / report["baseline"]["tau"])
+    assert report["outputs_identical_to_baseline"] is True  # both are lossless greedy decodes
