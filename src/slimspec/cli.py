@@ -44,7 +44,7 @@ def data_options(func):
     options = [
         click.option("--data", multiple=True, help="Prompts: jsonl/json/parquet files or globs (field `turns`), or a "
                      "datasets id. Repeatable. Default: the calibration set shipped with slimspec."),
-        click.option("--num-prompts", type=int, help="Use at most this many prompts."),
+        click.option("--num-prompts", type=int, help="Use at most this many prompts (a seeded random sample)."),
         click.option("--responses", type=click.Choice(["regenerate", "reference", "none"]), default="regenerate",
                      show_default=True, help="What follows each prompt: the target's own answer (EAGLE-3 practice), "
                      "the data set's reference answer (no generation), or nothing."),

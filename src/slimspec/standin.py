@@ -21,7 +21,7 @@ from slimspec.checkpoint.writer import atomic_folder
 def calibration_prompts() -> list[dict]:
     """The prompts shipped in ``slimspec/data/calibration.jsonl``."""
     text = resources.files("slimspec").joinpath("data/calibration.jsonl").read_text(encoding="utf-8")
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
 def frequent_tokens(target_folder: Path, count: int) -> torch.Tensor:

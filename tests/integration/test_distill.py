@@ -131,6 +131,10 @@ def test_prompts_sources(tmp_path):
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     assert [p.text for p in load_prompts(str(tmp_path / "*.jsonl"))] == ["hello", "hi there", "p"]
     assert len(load_prompts(None)) == 300
+    # a U+2028 inside a JSON string is not a line break (str.splitlines would split it)
+    (tmp_path / "b.jsonl").write_text(json.dumps({"turns": ["one\u2028two"]}, ensure_ascii=False) + "\n")
+    assert load_prompts(str(tmp_path / "b.jsonl"))[0].text == "one\u2028two"
+    assert len(load_prompts(str(tmp_path / "*.jsonl"), limit=2)) == 2
 
 
 def test_from_scratch_trains_an_eagle_layout_drafter(tiny_target, tmp_path):

@@ -50,7 +50,7 @@ def _reference(row: dict[str, Any]) -> str | None:
 def _rows_from_file(path: Path) -> list[dict[str, Any]]:
     try:
         if path.suffix == ".jsonl":
-            return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
         if path.suffix == ".json":
             data = json.loads(path.read_text(encoding="utf-8"))
             return data if isinstance(data, list) else data.get("data", [])
@@ -69,8 +69,12 @@ def shipped_calibration_path() -> Path:
     return Path(str(resources.files("slimspec").joinpath("data/calibration.jsonl")))
 
 
-def load_prompts(spec: str | list[str] | None, *, limit: int | None = None, split: str = "train") -> list[Prompt]:
-    """Prompts from files/globs, a ``datasets`` id, or (``None``) the calibration set shipped with slimspec."""
+def load_prompts(spec: str | list[str] | None, *, limit: int | None = None, split: str = "train",
+                 seed: int = 0) -> list[Prompt]:
+    """Prompts from files/globs, a ``datasets`` id, or (``None``) the calibration set shipped with slimspec.
+
+    With ``limit`` below the number of prompts, a seeded random sample of ``limit`` (in source order).
+    """
     specs = [spec] if isinstance(spec, str) else list(spec or [str(shipped_calibration_path())])
     rows: list[tuple[str, dict[str, Any]]] = []
     for item in specs:
@@ -92,7 +96,12 @@ def load_prompts(spec: str | list[str] | None, *, limit: int | None = None, spli
             prompts.append(Prompt(id=str(row.get("id", rid)), text=text, reference=_reference(row)))
     if not prompts:
         raise SlimSpecError(f"--data {spec}: no prompts found (expected a field among {', '.join(TEXT_FIELDS)})")
-    return prompts[:limit] if limit else prompts
+    if limit and limit < len(prompts):
+        import random
+
+        keep = sorted(random.Random(seed).sample(range(len(prompts)), limit))
+        prompts = [prompts[i] for i in keep]
+    return prompts
 
 
 def _load_dataset(name: str, split: str) -> list[dict[str, Any]]:

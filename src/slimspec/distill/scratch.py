@@ -21,6 +21,17 @@ from slimspec.errors import SlimSpecError
 from slimspec.model import Eagle3Drafter, FullHead, LowRankHead
 
 
+def scratch_teacher(parts: TargetParts, options: DataOptions, progress: bool) -> tuple[TeacherData, TeacherSettings]:
+    """Teacher data for a new drafter (EAGLE-3's default feature layers unless ``options`` say otherwise)."""
+    from slimspec.distill.prompts import load_prompts
+
+    settings = TeacherSettings(responses=options.responses, max_new_tokens=options.max_new_tokens,
+                               temperature=options.temperature, max_length=options.max_length,
+                               aux_layers=tuple(options.aux_layers or default_aux_layers(parts.num_layers)))
+    prompts = load_prompts(options.data, limit=options.num_prompts)
+    return build_teacher_data(parts.path, prompts, settings, progress=progress), settings
+
+
 def frequent_response_tokens(teacher: TeacherData, count: int) -> torch.Tensor:
     """The ``count`` target ids most frequent among response tokens (ties: lower id), sorted ascending."""
     vocab_hint = int(teacher.input_ids.max()) + 1
@@ -88,13 +99,7 @@ def train_from_scratch(
     parts = load_target_parts(target)
     if not 0 < draft_vocab <= parts.head.shape[0]:
         raise SlimSpecError(f"--draft-vocab must be in 1..{parts.head.shape[0]}, got {draft_vocab}")
-    from slimspec.distill.prompts import load_prompts
-
-    settings = TeacherSettings(responses=options.responses, max_new_tokens=options.max_new_tokens,
-                               temperature=options.temperature, max_length=options.max_length,
-                               aux_layers=tuple(options.aux_layers or default_aux_layers(parts.num_layers)))
-    teacher = build_teacher_data(parts.path, load_prompts(options.data, limit=options.num_prompts), settings,
-                                 progress=progress)
+    teacher, settings = scratch_teacher(parts, options, progress)
     draft_ids = frequent_response_tokens(teacher, draft_vocab)
     if draft_ids.numel() < draft_vocab:  # fewer distinct tokens than asked: fill with the lowest unused ids
         unused = torch.ones(parts.head.shape[0], dtype=torch.bool)

@@ -67,8 +67,11 @@ class TeacherSettings:
     seed: int = 0
     max_length: int = 1024
     aux_layers: tuple[int, ...] | None = None
-    dtype: str = "bfloat16"
-    generation_batch: int = 8
+    dtype: str = "bfloat16"  # storage of the hidden states
+    generation_batch: int = 16
+    # Answers are generated with a bf16 copy of the target (memory-bound decoding: ~2x faster, 16 sequences
+    # at a time ~227 tokens/s for SmolLM2-135M on 2 cores); features always come from the float32 target.
+    generation_dtype: str = "bfloat16"
 
 
 @dataclass
@@ -113,7 +116,9 @@ def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSetting
 def load_target_model(target_path: Path, dtype: torch.dtype = torch.float32):
     """The target as a transformers causal LM (eval mode) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype)
     model.eval()
@@ -205,13 +210,17 @@ def build_teacher_data(
         prefixes = [_chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
         bar = _bar(len(prefixes), "generating responses", progress)
         start, count = time.perf_counter(), [0]
+        generator_model = model
+        if settings.generation_dtype != "float32":
+            generator_model, _ = load_target_model(target_path, dtype=getattr(torch, settings.generation_dtype))
 
         def tick(n: int, tokens: int) -> None:
             count[0] += tokens
             bar.update(n)
             bar.set_postfix(tok_s=f"{count[0] / max(time.perf_counter() - start, 1e-9):.0f}")
 
-        responses = _generate(model, tokenizer, prefixes, settings, tick)
+        responses = _generate(generator_model, tokenizer, prefixes, settings, tick)
+        del generator_model
         bar.close()
         pairs = zip(prefixes, responses, strict=True)
         sequences = [((pre + resp)[: settings.max_length], len(pre)) for pre, resp in pairs]

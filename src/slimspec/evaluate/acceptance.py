@@ -25,7 +25,7 @@ def eval_prompts(dataset: str, num_prompts: int | None) -> list[str]:
             raise SlimSpecError(f"--dataset {dataset}: not one of {', '.join(DATASETS)} and no such file")
         text = path.read_text(encoding="utf-8")
     try:
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        rows = [json.loads(line) for line in text.split("\n") if line.strip()]
         prompts = [r["turns"][0] for r in rows]
     except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
         raise SlimSpecError(f"--dataset {dataset}: expected jsonl rows with a 'turns' list ({exc})") from None
