@@ -102,11 +102,12 @@ def _data_and_config(kw: dict, steps: int):
 @click.option("--distill-steps", type=int, default=0, show_default=True,
               help="Then distil the pair for N steps against the target under full-vocabulary KL.")
 @data_options
+@click.option("--push-to", help="After a successful conversion, push the folder to this Hub repo id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
 def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path | None, dtype: str | None,
-            overwrite: bool, revision: str | None, stitch: str, init: str, distill_steps: int, as_json: bool,
-            quiet: bool, **kw) -> None:
+            overwrite: bool, revision: str | None, stitch: str, init: str, distill_steps: int,
+            push_to: str | None, as_json: bool, quiet: bool, **kw) -> None:
     """Replace DRAFTER's LM head by an SVD-initialised low-rank pair and write a vLLM-ready folder.
 
     \b
@@ -121,10 +122,17 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
                          revision=revision, progress=not quiet, stitch=stitch, init=init, distill_steps=distill_steps,
                          data_options=options, distill_config=cfg)
     report = {"out": str(result.out), **result.report}
+    if push_to:
+        from slimspec.publish import push as run_push
+
+        plan = run_push(result.out, push_to)
+        report["pushed_to"] = plan.url or push_to
     if as_json:
         click.echo(json.dumps(report))
         return
     _print_convert_report(report)
+    if push_to:
+        click.echo(f"pushed to {report['pushed_to']}")
 
 
 def _print_convert_report(report: dict) -> None:
@@ -217,6 +225,59 @@ def _init_distributed() -> None:
 
         if not dist.is_initialized():
             dist.init_process_group("gloo")
+
+
+@main.command()
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.argument("repo_id")
+@click.option("--private", is_flag=True, help="Create the repo as private.")
+@click.option("--revision", help="Branch to push to (created if missing).")
+@click.option("--commit-message", help="Commit message.")
+@click.option("--dry-run", is_flag=True, help="Validate and show what would be uploaded; send nothing.")
+def push(folder: Path, repo_id: str, private: bool, revision: str | None, commit_message: str | None,
+         dry_run: bool) -> None:
+    """Validate FOLDER (a SlimSpec drafter) and upload it to the Hub as REPO_ID in one commit.
+
+    The token comes from HF_TOKEN or the saved `hf auth login`; it is never printed or written.
+    """
+    from slimspec.publish import push as run_push
+
+    plan = run_push(folder, repo_id, private=private, revision=revision, commit_message=commit_message,
+                    dry_run=dry_run)
+    _print_push(plan, dry_run)
+
+
+def _print_push(plan, dry_run: bool) -> None:
+    verb = "would upload (dry run)" if dry_run else "uploaded"
+    click.echo(f"{verb} to {plan.repo_id}{'@' + plan.revision if plan.revision else ''}"
+               f"{' (private)' if plan.private else ''}:")
+    for name, size in plan.files.items():
+        click.echo(f"  {name:<24} {size:>14,} bytes")
+    click.echo(f"card metadata: {json.dumps(plan.metadata)}")
+    if plan.url:
+        click.echo(f"url: {plan.url}")
+
+
+@main.command()
+@click.argument("manifest", type=click.Path(path_type=Path))
+@click.option("--continue-on-error", is_flag=True, help="Run every job even after one fails.")
+@click.option("--report", type=click.Path(path_type=Path), help="Write the JSON-lines report here (default: stdout).")
+def batch(manifest: Path, continue_on_error: bool, report: Path | None) -> None:
+    """Run the conversions listed in MANIFEST (YAML, JSON or JSON lines).
+
+    \b
+    MANIFEST: {defaults: {target: ..., rank: d/8}, jobs: [{drafter: ..., out: ..., push_to: ...}, ...]}
+    Job options: drafter, target, rank, vocab, out, dtype, stitch, init, distill_steps, data, num_prompts,
+    responses, max_new_tokens, revision, push_to, eval_prompts (measure tau on that many mt_bench prompts).
+    A job whose output already holds the same conversion is skipped; outputs are written atomically, so a
+    killed batch can simply be run again. Exit code 1 when any job failed.
+    """
+    from slimspec.batch import run_batch
+
+    results = run_batch(manifest, continue_on_error=continue_on_error, report_path=report)
+    failed = [r for r in results if r.status in ("failed", "not run")]
+    if failed:
+        sys.exit(1)
 
 
 @main.command(name="eval")

@@ -132,6 +132,10 @@ def atomic_folder(out: Path, overwrite: bool) -> Iterator[Path]:
     """
     check_output_free(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed run (its process is gone)
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

@@ -138,6 +138,7 @@ def convert(
     data: str | list[str] | None = None,
     data_options: Any = None,
     distill_config: Any = None,
+    extra_report: dict[str, Any] | None = None,
 ) -> ConvertResult:
     """Convert an EAGLE-3 drafter (Hub id, folder or ``embedded:`` name) to a SlimSpec low-rank head.
 
@@ -264,6 +265,7 @@ def convert(
     }
     if distill_report is not None:
         report.update(distill_report)
+    report.update(extra_report or {})
     meta = {"version": report["versions"]["slimspec"], "vocab_mode": vocab, "source_drafter": drafter,
             "source_layout": ckpt.layout, "target": target}
     config = drafter_config_json(cfg, rank=r, head_vocab=head_vocab, dtype=out_dtype, slimspec_meta=meta)

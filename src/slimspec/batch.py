@@ -1,0 +1,161 @@
+"""`slimspec batch`: many conversions from one manifest; idempotent, resumable, one report line per job."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slimspec.errors import SlimSpecError
+
+JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "init", "distill_steps", "data",
+            "num_prompts", "responses", "max_new_tokens", "overwrite", "push_to", "eval_prompts", "revision"}
+SETTINGS = ("drafter", "target", "rank", "vocab", "dtype", "stitch", "init", "distill_steps", "data", "num_prompts",
+            "responses", "max_new_tokens", "revision")
+
+
+@dataclass
+class JobResult:
+    job: str
+    status: str  # done | skipped | failed | not run
+    out: str | None = None
+    rank: int | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    tau: float | None = None
+    pushed_to: str | None = None
+
+    def line(self) -> str:
+        return json.dumps({k: v for k, v in self.__dict__.items()})
+
+
+def read_manifest(path: Path) -> list[dict[str, Any]]:
+    """Jobs with defaults applied, from YAML, JSON (``{defaults, jobs}`` or a list) or JSON lines."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SlimSpecError(f"{path}: cannot read manifest ({exc.strerror})") from None
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif path.suffix == ".jsonl":
+            rows = [json.loads(line) for line in text.split("\n") if line.strip()]
+            defaults = rows[0]["defaults"] if rows and set(rows[0]) == {"defaults"} else {}
+            data = {"defaults": defaults, "jobs": rows[1:] if defaults else rows}
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # yaml or json syntax: one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SlimSpecError(f"{path}: cannot parse manifest ({first})") from None
+    if isinstance(data, list):
+        data = {"jobs": data}
+    if not isinstance(data, dict) or not isinstance(data.get("jobs"), list):
+        raise SlimSpecError(f"{path}: expected a list of jobs, or {{defaults: ..., jobs: [...]}}")
+    defaults = data.get("defaults") or {}
+    jobs = []
+    for i, job in enumerate(data["jobs"]):
+        if not isinstance(job, dict):
+            raise SlimSpecError(f"{path}: job {i + 1} is not a mapping")
+        merged = {**defaults, **job}
+        unknown = set(merged) - JOB_KEYS - {"name"}
+        if unknown:
+            raise SlimSpecError(f"{path}: job {i + 1} has unknown option(s) {', '.join(sorted(unknown))}")
+        if "drafter" not in merged:
+            raise SlimSpecError(f"{path}: job {i + 1} has no drafter")
+        merged.setdefault("name", merged.get("out") or f"job{i + 1}")
+        jobs.append(merged)
+    return jobs
+
+
+def job_fingerprint(job: dict[str, Any]) -> str:
+    """Hash of the settings that decide a job's output (not its name, out, overwrite or push)."""
+    payload = {k: job.get(k) for k in SETTINGS}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def finished(out: Path, fingerprint: str) -> bool:
+    """True if ``out`` holds a complete conversion of exactly this job."""
+    report = out / "slimspec.json"
+    if not report.exists():
+        return False
+    try:
+        return json.loads(report.read_text()).get("batch_job") == fingerprint
+    except (json.JSONDecodeError, OSError):
+        return False
+
+
+def run_job(job: dict[str, Any]) -> JobResult:
+    from slimspec.convert.pipeline import convert, model_name
+    from slimspec.distill.pipeline import DataOptions
+
+    start = time.perf_counter()
+    fingerprint = job_fingerprint(job)
+    out = Path(job.get("out") or f"{model_name(str(job['drafter']))}-slimspec-{fingerprint[:8]}")
+    if finished(out, fingerprint) and not job.get("push_to"):
+        report = json.loads((out / "slimspec.json").read_text())
+        return JobResult(job=job["name"], status="skipped", out=str(out), rank=report.get("rank"),
+                         tau=report.get("tau"))
+    tau = None
+    if finished(out, fingerprint):
+        report = json.loads((out / "slimspec.json").read_text())
+        status = "skipped"
+    else:
+        options = DataOptions(data=job.get("data"), num_prompts=job.get("num_prompts"),
+                              responses=job.get("responses", "regenerate"),
+                              max_new_tokens=int(job.get("max_new_tokens", 128)))
+        result = convert(str(job["drafter"]), job.get("target"), job.get("rank", "d/8"), vocab=job.get("vocab", "full"),
+                         out=out, dtype=job.get("dtype"), overwrite=True, revision=job.get("revision"),
+                         progress=False, stitch=job.get("stitch", "target"), init=job.get("init", "svd"),
+                         distill_steps=int(job.get("distill_steps", 0)), data_options=options,
+                         extra_report={"batch_job": fingerprint})
+        report, status = result.report, "done"
+    if job.get("eval_prompts"):
+        from slimspec.evaluate.acceptance import evaluate
+
+        tau = evaluate(str(out), job.get("target"), num_prompts=int(job["eval_prompts"]), progress=False)["tau"]
+    pushed = None
+    if job.get("push_to"):
+        from slimspec.publish import push
+
+        plan = push(out, job["push_to"])
+        pushed = plan.url or job["push_to"]
+    return JobResult(job=job["name"], status=status, out=str(out), rank=report.get("rank"),
+                     seconds=round(time.perf_counter() - start, 3), tau=tau, pushed_to=pushed)
+
+
+def run_batch(manifest: Path, *, continue_on_error: bool = False, report_path: Path | None = None) -> list[JobResult]:
+    """Run every job; a JSON line per job to ``report_path`` (or stdout), a progress line per job on stderr."""
+    jobs = read_manifest(manifest)
+    results: list[JobResult] = []
+    sink = report_path.open("w") if report_path else sys.stdout
+    try:
+        for i, job in enumerate(jobs):
+            label = f"[{i + 1}/{len(jobs)}] {job['name']}"
+            if any(r.status == "failed" for r in results) and not continue_on_error:
+                result = JobResult(job=job["name"], status="not run")
+            else:
+                print(f"{label}: converting {job['drafter']} ...", file=sys.stderr, flush=True)
+                start = time.perf_counter()
+                try:
+                    result = run_job(job)
+                except SlimSpecError as exc:
+                    result = JobResult(job=job["name"], status="failed", error=str(exc))
+                except Exception as exc:  # a job must never take the batch down with a traceback
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    result = JobResult(job=job["name"], status="failed", error=f"{type(exc).__name__}: {first}")
+                result.seconds = round(time.perf_counter() - start, 3)
+            results.append(result)
+            detail = result.error if result.status == "failed" else (
+                f"rank {result.rank} -> {result.out}" if result.out else "")
+            print(f"{label}: {result.status} {detail} ({result.seconds:.1f}s)", file=sys.stderr, flush=True)
+            print(result.line(), file=sink, flush=True)
+    finally:
+        if report_path:
+            sink.close()
+    return results

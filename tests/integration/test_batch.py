@@ -1,0 +1,108 @@
+"""slimspec batch: idempotent, resumable, reports every job, survives bad jobs; the Python API surface."""
+
+import json
+import subprocess
+import sys
+
+import yaml
+from click.testing import CliRunner
+
+from slimspec.cli import main
+from tests.layouts import Spec, write_drafter, write_target
+
+
+def _setup(tmp_path):
+    write_drafter(tmp_path / "d1", "eagle", Spec())
+    write_drafter(tmp_path / "d2", "speculators", Spec(seed=4))
+    write_target(tmp_path / "t")
+
+
+def _run(manifest, *extra):
+    result = CliRunner().invoke(main, ["batch", str(manifest), *extra])
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return result, {r["job"]: r for r in lines}
+
+
+def test_batch_is_idempotent_and_reruns_changed_jobs(tmp_path):
+    """Catches a batch that redoes finished work, or skips a job whose settings changed."""
+    _setup(tmp_path)
+    manifest = tmp_path / "jobs.yaml"
+    doc = {"defaults": {"target": str(tmp_path / "t"), "rank": "d/8"},
+           "jobs": [{"drafter": str(tmp_path / "d1"), "out": str(tmp_path / "o1")},
+                    {"drafter": str(tmp_path / "d2"), "out": str(tmp_path / "o2"), "rank": 6}]}
+    manifest.write_text(yaml.safe_dump(doc))
+    result, rows = _run(manifest)
+    assert result.exit_code == 0, result.output
+    assert [r["status"] for r in rows.values()] == ["done", "done"] and rows[str(tmp_path / "o2")]["rank"] == 6
+    assert result.stderr.count("[1/2]") == 2 and result.stderr.count("[2/2]") == 2  # start + end line per job
+    _, rows = _run(manifest)
+    assert [r["status"] for r in rows.values()] == ["skipped", "skipped"]
+    doc["jobs"][1]["rank"] = 5
+    manifest.write_text(yaml.safe_dump(doc))
+    _, rows = _run(manifest)
+    assert [r["status"] for r in rows.values()] == ["skipped", "done"] and rows[str(tmp_path / "o2")]["rank"] == 5
+
+
+def test_killed_job_leaves_nothing_that_looks_finished(tmp_path):
+    """A job killed mid-write leaves only a hidden temp folder (dead pid); the rerun cleans it and converts."""
+    _setup(tmp_path)
+    stale = tmp_path / ".o1.tmp-999999"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    manifest = tmp_path / "jobs.json"
+    manifest.write_text(json.dumps([{"drafter": str(tmp_path / "d1"), "target": str(tmp_path / "t"),
+                                     "out": str(tmp_path / "o1")}]))
+    assert not (tmp_path / "o1").exists()
+    result, rows = _run(manifest)
+    assert result.exit_code == 0 and rows[str(tmp_path / "o1")]["status"] == "done"
+    assert not stale.exists()
+
+
+def test_bad_jobs_are_reported_and_good_ones_finish(tmp_path):
+    """A corrupt drafter, a missing target and an out-of-range rank: one clear line each, exit non-zero."""
+    _setup(tmp_path)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{}")
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\x00" * 10)
+    manifest = tmp_path / "jobs.jsonl"
+    lines = [{"defaults": {"target": str(tmp_path / "t")}},
+             {"drafter": str(tmp_path / "d1"), "out": str(tmp_path / "good1"), "name": "good1"},
+             {"drafter": str(tmp_path / "bad"), "out": str(tmp_path / "o-bad"), "name": "corrupt"},
+             {"drafter": str(tmp_path / "d1"), "target": str(tmp_path / "nowhere"), "out": str(tmp_path / "o-nt"),
+              "name": "no-target"},
+             {"drafter": str(tmp_path / "d1"), "rank": 999, "out": str(tmp_path / "o-rank"), "name": "rank"},
+             {"drafter": str(tmp_path / "d2"), "out": str(tmp_path / "good2"), "name": "good2"}]
+    manifest.write_text("\n".join(json.dumps(x) for x in lines))
+    report = tmp_path / "report.jsonl"
+    result = CliRunner().invoke(main, ["batch", str(manifest), "--continue-on-error", "--report", str(report)])
+    assert result.exit_code == 1
+    rows = {r["job"]: r for r in map(json.loads, report.read_text().splitlines())}
+    assert rows["good1"]["status"] == rows["good2"]["status"] == "done"
+    assert "truncated" in rows["corrupt"]["error"] or "corrupt" in rows["corrupt"]["error"]
+    assert "no such folder" in rows["no-target"]["error"]
+    assert "0 < r < d" in rows["rank"]["error"]
+    for name in ("corrupt", "no-target", "rank"):
+        assert "\n" not in rows[name]["error"] and not (tmp_path / f"o-{name}").exists()
+    assert "Traceback" not in result.output
+    # without --continue-on-error the batch stops at the first failure
+    result = CliRunner().invoke(main, ["batch", str(manifest), "--report", str(report)])
+    statuses = [json.loads(line)["status"] for line in report.read_text().splitlines()]
+    assert result.exit_code == 1 and statuses == ["skipped", "failed", "not run", "not run", "not run"]
+
+
+def test_bad_manifest_is_one_line(tmp_path):
+    (tmp_path / "m.yaml").write_text("jobs: [unclosed")
+    result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.yaml")])
+    assert result.exit_code == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    (tmp_path / "m.json").write_text(json.dumps({"jobs": [{"drafter": "x", "rnak": 3}]}))
+    result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.json")])
+    assert result.exit_code == 2 and "unknown option(s) rnak" in result.stderr
+
+
+def test_import_is_light_and_api_is_complete():
+    """`import slimspec` must not import vLLM, Triton or transformers; the documented API resolves."""
+    code = ("import sys, slimspec; heavy = [m for m in ('vllm', 'triton', 'transformers') if m in sys.modules];"
+            "print(heavy); print(all(callable(getattr(slimspec, n)) for n in "
+            "('convert', 'distill', 'evaluate', 'push', 'factorize')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["[]", "True"]
