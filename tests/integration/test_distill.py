@@ -153,3 +153,28 @@ def test_from_scratch_trains_an_eagle_layout_drafter(tiny_target, tmp_path):
     assert ckpt.tensors["t2d"].sum() == 300
     res = slimspec.convert(str(tmp_path / "scratch"), str(tiny_target), 4, out=tmp_path / "conv", progress=False)
     assert res.report["rows_from_drafter"] == 300
+
+
+def test_interrupted_generation_resumes(tiny_target, tmp_path, monkeypatch):
+    """Catches a teacher build that starts over after a kill: finished answers come from the journal."""
+    import slimspec.distill.teacher as teacher
+
+    prompts = [Prompt(str(i), f"Question number {i}?") for i in range(6)]
+    settings = TeacherSettings(max_new_tokens=6, aux_layers=(1, 2, 3), generation_batch=2)
+    original = teacher._features
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(teacher, "_features", killed)  # dies after generation, before features
+    with pytest.raises(KeyboardInterrupt):
+        build_teacher_data(tiny_target, prompts, settings, cache_root=tmp_path, progress=False)
+    journals = list(tmp_path.glob(".*.responses.jsonl"))
+    assert len(journals) == 1 and len(journals[0].read_text().splitlines()) == 6
+    monkeypatch.setattr(teacher, "_features", original)
+    calls = []
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.setattr(LlamaForCausalLM, "generate", lambda *a, **k: calls.append(1) or 1 / 0)
+    data = build_teacher_data(tiny_target, prompts, settings, cache_root=tmp_path, progress=False)
+    assert len(data) == 6 and not calls and not list(tmp_path.glob(".*.responses.jsonl"))

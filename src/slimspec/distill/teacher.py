@@ -140,14 +140,26 @@ def _chat_ids(tokenizer, prompt: str, answer: str | None = None) -> tuple[list[i
 
 
 @torch.no_grad()
-def _generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSettings, progress) -> list[list[int]]:
-    """Responses of the target to each prefix (batched, left-padded), without the prefix."""
+def _generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSettings, progress,
+              journal: Path | None = None) -> list[list[int]]:
+    """Responses of the target to each prefix (batched, left-padded), without the prefix.
+
+    Each finished batch is appended to ``journal`` (JSON lines); a rerun reads it and generates only the
+    rest, so an interrupted generation resumes instead of starting over.
+    """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     gen = torch.Generator().manual_seed(settings.seed)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    out: list[list[int]] = []
-    order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))  # similar lengths batch together
     results: dict[int, list[int]] = {}
+    if journal is not None and journal.exists():
+        for line in journal.read_text().split("\n"):
+            try:
+                row = json.loads(line)
+                results[int(row["i"])] = [int(t) for t in row["tokens"]]
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue  # a line cut off by a kill
+        progress(len(results), 0)
+    order = sorted((i for i in range(len(prefixes)) if i not in results), key=lambda i: len(prefixes[i]))
     for b in range(0, len(order), settings.generation_batch):
         idx = order[b:b + settings.generation_batch]
         width = max(len(prefixes[i]) for i in idx)
@@ -167,9 +179,11 @@ def _generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSett
             if eos in tokens:
                 tokens = tokens[: tokens.index(eos) + 1]
             results[i] = [t for t in tokens if t != pad or t == eos]
+        if journal is not None:
+            with journal.open("a") as f:
+                f.write("".join(json.dumps({"i": i, "tokens": results[i]}) + "\n" for i in idx))
         progress(len(idx), sum(len(results[i]) for i in idx))
-    out = [results[i] for i in range(len(prefixes))]
-    return out
+    return [results[i] for i in range(len(prefixes))]
 
 
 @torch.no_grad()
@@ -219,7 +233,9 @@ def build_teacher_data(
             bar.update(n)
             bar.set_postfix(tok_s=f"{count[0] / max(time.perf_counter() - start, 1e-9):.0f}")
 
-        responses = _generate(generator_model, tokenizer, prefixes, settings, tick)
+        root.mkdir(parents=True, exist_ok=True)
+        journal = root / f".{key}.responses.jsonl"
+        responses = _generate(generator_model, tokenizer, prefixes, settings, tick, journal)
         del generator_model
         bar.close()
         pairs = zip(prefixes, responses, strict=True)
@@ -269,6 +285,7 @@ def build_teacher_data(
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
+        (root / f".{key}.responses.jsonl").unlink(missing_ok=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
