@@ -3,6 +3,21 @@ import pytest
 from tests.layouts import Spec, write_drafter, write_target
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _teacher_cache_in_tmp(tmp_path_factory):
+    """Keep the tests' teacher data out of the user's cache (the embedded target itself is shared)."""
+    import os
+
+    old = os.environ.get("SLIMSPEC_TEACHER_CACHE")
+    os.environ["SLIMSPEC_TEACHER_CACHE"] = str(tmp_path_factory.mktemp("teacher-cache"))
+    yield
+    if old is None:
+        os.environ.pop("SLIMSPEC_TEACHER_CACHE", None)
+    else:
+        os.environ["SLIMSPEC_TEACHER_CACHE"] = old
+
+
+
 @pytest.fixture
 def tiny_pair(tmp_path):
     """An EAGLE-layout drafter and a matching tied target, as folders."""

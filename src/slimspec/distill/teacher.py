@@ -212,7 +212,7 @@ def build_teacher_data(
     if settings.aux_layers is None:
         settings.aux_layers = default_aux_layers(num_layers)
     key = cache_key(target_path, prompts, settings)
-    root = Path(cache_root) if cache_root else cache_dir() / "teacher"
+    root = Path(cache_root or os.environ.get("SLIMSPEC_TEACHER_CACHE") or cache_dir() / "teacher")
     folder = root / key
     if (folder / "manifest.json").exists():
         return load_teacher_data(folder)
