@@ -32,7 +32,7 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" "$TORCH_PIN"
 "${PIP[@]}" "$VLLM_PIN" "$TORCH_PIN"
 # Built against another torch: their ops fail to register and break `import vllm` paths.
-"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio 2>/dev/null || true
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # Editable, so the entry point [project.entry-points."vllm.general_plugins"] slimspec is registered
 # and the plugin follows the working tree.
 "${PIP[@]}" -e "$REPO" "$TORCH_PIN" "transformers<5.20"

@@ -280,6 +280,76 @@ def batch(manifest: Path, continue_on_error: bool, report: Path | None) -> None:
         sys.exit(1)
 
 
+@main.command(name="bench")
+@click.argument("checkpoint", required=False)
+@click.option("--vocab", type=int, help="Head rows V (without CHECKPOINT).")
+@click.option("--hidden", type=int, help="Hidden size d (without CHECKPOINT).")
+@click.option("--rank", type=int, help="Rank r (without CHECKPOINT).")
+@click.option("--source-vocab", type=int, help="Rows of the full head compared against [default: V].")
+@click.option("--batch", "batches", type=int, multiple=True, help="Batch sizes [default: 1 and 64].")
+@click.option("--dtype", "dtypes", type=click.Choice(["fp32", "bf16", "fp16"]), multiple=True,
+              help="Dtypes [default: fp32].")
+@click.option("--kappa", "with_kappa", is_flag=True,
+              help="Also measure kappa (head time / rest of a draft+verify cycle) with CHECKPOINT on its target.")
+@click.option("--target", "-t", help="Target for --kappa (default: the checkpoint's).")
+@click.option("--rho-tau", type=float, help="Acceptance ratio for the predicted end-to-end speed-up.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None, rank: int | None,
+                  source_vocab: int | None, batches: tuple[int, ...], dtypes: tuple[str, ...], with_kappa: bool,
+                  target: str | None, rho_tau: float | None, as_json: bool) -> None:
+    """Head latency of the low-rank head vs the full one (nu), the FLOP floor, kappa and predicted rho_TPS."""
+    import torch
+
+    from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
+
+    if checkpoint:
+        from slimspec.checkpoint import load_drafter
+
+        ckpt = load_drafter(checkpoint)
+        if not ckpt.is_lowrank:
+            raise click.UsageError(f"{checkpoint} is not a SlimSpec checkpoint")
+        up, down = ckpt.tensors["lm_head.weight"], ckpt.tensors["lm_head_down.weight"]
+        vocab, rank, hidden = up.shape[0], down.shape[0], down.shape[1]
+        report_path = Path(checkpoint) / "slimspec.json"
+        saved = json.loads(report_path.read_text()) if report_path.exists() else {}
+        source_vocab = source_vocab or (saved.get("head_params_source", 0) // hidden or None)
+        rho_tau = rho_tau or saved.get("rho_tau")
+    elif not (vocab and hidden and rank):
+        raise click.UsageError("give a CHECKPOINT or --vocab, --hidden and --rank")
+    names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    rows = [head_latency(vocab, hidden, rank, batch=b, dtype=names[d], source_vocab=source_vocab)
+            for d in (dtypes or ("fp32",)) for b in (batches or (1, 64))]
+    result = {"head": rows}
+    if with_kappa:
+        if not checkpoint:
+            raise click.UsageError("--kappa needs a CHECKPOINT")
+        from slimspec.distill.teacher import load_target_model
+        from slimspec.evaluate.acceptance import load_for_eval
+
+        drafter, _, parts, _ = load_for_eval(checkpoint, target)
+        target_model, _ = load_target_model(parts.path)
+        result["kappa"] = measure = measure_kappa(target_model, drafter)
+        nu1 = next(r["nu"] for r in rows if r["batch"] == min(r2["batch"] for r2 in rows))
+        result["rho_tau"] = rho_tau if rho_tau is not None else 1.0
+        result["predicted_rho_tps"] = predicted_speedup(result["rho_tau"], nu1, measure["kappa"])
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(f"head V={vocab} (full head: {source_vocab or vocab} rows), d={hidden}, r={rank}; greedy step = "
+               "logits + argmax, torch")
+    click.echo(f"{'dtype':<10}{'batch':>6}{'full (ms)':>12}{'low-rank (ms)':>15}{'nu':>8}{'FLOP floor':>12}")
+    for r in rows:
+        click.echo(f"{r['dtype']:<10}{r['batch']:>6}{r['full_s'] * 1e3:>12.3f}{r['lowrank_s'] * 1e3:>15.3f}"
+                   f"{r['nu']:>8.3f}{r['flop_floor']:>12.3f}")
+    if "kappa" in result:
+        k = result["kappa"]
+        click.echo(f"kappa {k['kappa']:.3f} (head {k['head_s'] * 1e3:.2f} ms x {k['draft_tokens']} vs drafter layer "
+                   f"{k['drafter_layer_s'] * 1e3:.2f} ms x {k['draft_tokens']} + target verify "
+                   f"{k['target_verify_s'] * 1e3:.1f} ms)")
+        click.echo(f"predicted rho_TPS = rho_tau (1 + kappa) / (1 + nu kappa) = {result['predicted_rho_tps']:.3f} "
+                   f"(rho_tau {result['rho_tau']:.3f}{'' if rho_tau is not None else ', assumed'})")
+
+
 @main.command(name="eval")
 @click.argument("drafter")
 @click.option("--target", "-t", help="Target model (default: the one the drafter names).")

@@ -1,0 +1,91 @@
+"""Head latency ratio nu, the FLOP floor, kappa, and the paper's end-to-end model rho_TPS.
+
+rho_TPS = rho_tau * (1 + kappa) / (1 + nu * kappa), with kappa = draft-head time / rest of a draft+verify
+cycle and nu = low-rank head time / full head time (SlimSpec, arXiv 2605.10453).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def flop_floor(vocab: int, hidden: int, rank: int, source_vocab: int | None = None) -> float:
+    """(r*d + V*r) / (V_src*d): the FLOP ratio of the low-rank head to the full one."""
+    return (rank * hidden + vocab * rank) / ((source_vocab or vocab) * hidden)
+
+
+def predicted_speedup(rho_tau: float, nu: float, kappa: float) -> float:
+    """The paper's end-to-end throughput ratio."""
+    return rho_tau * (1 + kappa) / (1 + nu * kappa)
+
+
+def best_time(fn: Callable[[], Any], *, repeats: int = 20, warmup: int = 3, min_seconds: float = 0.2) -> float:
+    """Median seconds per call over ``repeats`` timed batches (each at least ``min_seconds`` long)."""
+    for _ in range(warmup):
+        fn()
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    inner = max(1, int(min_seconds / once / max(repeats, 1)) + 1)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - start) / inner)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+@torch.no_grad()
+def head_latency(vocab: int, hidden: int, rank: int, *, batch: int = 1, dtype: torch.dtype = torch.float32,
+                 source_vocab: int | None = None, repeats: int = 15, seed: int = 0) -> dict[str, float]:
+    """Greedy head step (logits + argmax), full ``[V_src, d]`` vs low-rank ``[V, r] @ [r, d]``, side by side."""
+    g = torch.Generator().manual_seed(seed)
+    src = source_vocab or vocab
+    w = torch.randn(src, hidden, generator=g).to(dtype)
+    up = torch.randn(vocab, rank, generator=g).to(dtype)
+    down = torch.randn(rank, hidden, generator=g).to(dtype)
+    h = torch.randn(batch, hidden, generator=g).to(dtype)
+    full = best_time(lambda: torch.argmax(h @ w.T, dim=-1), repeats=repeats)
+    low = best_time(lambda: torch.argmax((h @ down.T) @ up.T, dim=-1), repeats=repeats)
+    return {"full_s": full, "lowrank_s": low, "nu": low / full, "flop_floor": flop_floor(vocab, hidden, rank, src),
+            "vocab": vocab, "source_vocab": src, "hidden": hidden, "rank": rank, "batch": batch,
+            "dtype": str(dtype).removeprefix("torch.")}
+
+
+@torch.no_grad()
+def measure_kappa(target, drafter, *, draft_tokens: int = 4, context: int = 256, repeats: int = 10) -> dict[str, float]:
+    """kappa for one greedy draft+verify cycle: K head steps over K drafter-layer steps + one target verify.
+
+    The pieces are timed separately at a context of ``context`` tokens, batch 1.
+    """
+    from transformers import DynamicCache
+
+    hidden = drafter.config.hidden_size
+    ids = torch.randint(0, int(target.config.vocab_size), (1, context))
+    cache = DynamicCache(config=target.config)
+    target(input_ids=ids, past_key_values=cache, use_cache=True)
+    verify_ids = torch.randint(0, int(target.config.vocab_size), (1, draft_tokens + 1))
+
+    def verify() -> None:
+        target(input_ids=verify_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        cache.crop(-(draft_tokens + 1))
+
+    dtype = drafter.fc.weight.dtype
+    h = torch.randn(1, 1, hidden, dtype=dtype)
+    k_cache = (torch.randn(1, drafter.config.num_key_value_heads, context, drafter.config.head_dim, dtype=dtype),
+               torch.randn(1, drafter.config.num_key_value_heads, context, drafter.config.head_dim, dtype=dtype))
+    token = torch.tensor([[1]])
+    pos = torch.tensor([[context]])
+    layer = best_time(lambda: drafter(input_ids=token, hidden=h, positions=pos, past_key_values=k_cache),
+                      repeats=repeats)
+    head = best_time(lambda: drafter.logits(h).argmax(-1), repeats=repeats)
+    target_s = best_time(verify, repeats=repeats)
+    rest = draft_tokens * layer + target_s
+    return {"kappa": draft_tokens * head / rest, "head_s": head, "drafter_layer_s": layer, "target_verify_s": target_s,
+            "draft_tokens": draft_tokens, "context": context}

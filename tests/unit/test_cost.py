@@ -1,0 +1,26 @@
+"""The paper's cost model and the head-latency harness."""
+
+import pytest
+import torch
+
+from slimspec.evaluate.cost import flop_floor, head_latency, predicted_speedup
+
+
+def test_flop_floor_matches_paper():
+    """DESIGN.md section 7: (r*d + V*r) / (V*d) = 0.127 at d=4096, V=128256, r=512."""
+    assert flop_floor(128256, 4096, 512) == pytest.approx(0.1271, abs=1e-4)
+    assert flop_floor(49152, 576, 72, source_vocab=8192) == pytest.approx((72 * 576 + 49152 * 72) / (8192 * 576))
+
+
+def test_predicted_speedup():
+    """rho_TPS = rho_tau (1 + kappa) / (1 + nu kappa): the paper's Llama numbers give ~+8 %."""
+    assert predicted_speedup(1.0, 1.0, 0.7) == pytest.approx(1.0)
+    assert predicted_speedup(0.99, 0.21, 0.85) == pytest.approx(0.99 * 1.85 / (1 + 0.21 * 0.85))
+    assert predicted_speedup(1.0, 0.5, 0.0) == 1.0
+
+
+def test_head_latency_runs_both_heads():
+    r = head_latency(5000, 64, 8, batch=3, repeats=3)
+    assert r["full_s"] > 0 and r["lowrank_s"] > 0 and r["nu"] == pytest.approx(r["lowrank_s"] / r["full_s"])
+    assert r["flop_floor"] == pytest.approx(flop_floor(5000, 64, 8))
+    assert head_latency(500, 32, 4, dtype=torch.bfloat16, repeats=2)["dtype"] == "bfloat16"
