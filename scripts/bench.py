@@ -160,7 +160,35 @@ def bench_kl_section() -> list[str]:
     return bench_kl()
 
 
-SECTIONS = {"factorize": bench_factorize, "kl": bench_kl_section, "distill": bench_distill_starts}
+def child_head(vocab: int, hidden: int, rank: int, batch: int, bf16: int) -> dict:
+    from slimspec.evaluate.cost import head_latency
+
+    return head_latency(vocab, hidden, rank, batch=batch, dtype=torch.bfloat16 if bf16 else torch.float32)
+
+
+def bench_head() -> list[str]:
+    """Issue 4: nu at V=128256, d=4096, r=512, batch 1 and 64, fp32 and bf16 (torch on this CPU)."""
+    rows = []
+    for bf16 in (0, 1):
+        for batch in (1, 64):
+            r = run_child("head", 128256, 4096, 512, batch, bf16)
+            rows.append(f"| {r['dtype']} | {batch} | {r['full_s'] * 1e3:.2f} | {r['lowrank_s'] * 1e3:.2f} | "
+                        f"{r['nu']:.3f} | {r['flop_floor']:.3f} |")
+    return [
+        "## Head latency ratio nu — issue 4",
+        "",
+        "Greedy head step (logits + argmax), full 128256 x 4096 head vs the r=512 pair, plain torch on this CPU,",
+        "median of 15 timed batches each, both heads in the same process.",
+        "",
+        "| dtype | batch | full (ms) | low-rank (ms) | nu | FLOP floor |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
+SECTIONS = {"factorize": bench_factorize, "kl": bench_kl_section, "head": bench_head,
+            "distill": bench_distill_starts}
 
 
 def main() -> int:
@@ -171,7 +199,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.child:
         name, *nums = args.child
-        result = {"factorize": child_factorize, "svd": child_svd, "optimum": child_optimum}[name](*map(int, nums))
+        result = {"factorize": child_factorize, "svd": child_svd, "optimum": child_optimum,
+                  "head": child_head}[name](*map(int, nums))
         print(json.dumps(result))
         return 0
     header = [

@@ -22,12 +22,14 @@ order), as ``torch.argmax``. NaN: a NaN logit wins and the first NaN index is re
 Interpreter (``TRITON_INTERPRET=1``): Triton 3.9's interpreter multiplies the raw bit patterns of bfloat16
 ``tl.dot`` operands (triton-lang/triton#11584, not supported upstream) and also mis-evaluates bf16
 arithmetic; the kernels only convert bf16 values, never compute on them, and under the interpreter bf16 dot
-operands are upcast to float32 first (exact; ``DOT_F32``). Compiled GPU code never takes that branch.
+operands are upcast to float32 first (exact; ``DOT_F32``). Compiled GPU code never takes that branch. The
+interpreter also truncates float32 -> bfloat16 conversions (GPU: round to nearest even), so interpreted bf16
+results can differ from torch's by one bf16 ulp.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,6 +37,8 @@ import triton.language as tl
 
 _FMA_MAX_B = 4  # up to this many rows per call: FMA path; above: tl.dot path
 _MAX_TOPK = 32  # fused top-k up to this k; larger k goes through fp32 logits + torch.sort
+_INT32_MIN: tl.constexpr = tl.constexpr(-(2**31))
+_INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class TileConfig:
     num_stages: int = 3
     z_block_r: int = 16  # down-projection kernel: r per program
     z_block_d: int = 64  # down-projection kernel: d chunk
+    reduce_block_t: int = 1024  # argmax reduction kernel: tiles per chunk (at most; fewer when there are fewer)
 
 
 def default_config(batch: int, dtype: torch.dtype) -> TileConfig:
@@ -217,20 +222,19 @@ def _topk_tile_kernel(z_ptr, w_ptr, pval_ptr, pidx_ptr, B, V, R, stride_zb, stri
     ordered = tl.where(acc != acc, float("inf"), acc)  # NaN ranks first (ties with +inf by index)
     bits = ordered.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone float -> int32 map
-    taken = -2147483647 - 1
-    key = tl.where(valid, key, taken)
+    key = tl.where(valid, key, _INT32_MIN)
     mask_b = offs_b < B
     p_row = offs_b.to(tl.int64) * stride_pb + pid_v * K
     for j in tl.static_range(K):
         best, arg = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
         picked = local == arg[:, None]
         value = tl.sum(tl.where(picked, acc, 0.0), axis=1)
-        real = best != taken
+        real = best != _INT32_MIN
         value = tl.where(real, value, float("-inf"))
-        index = tl.where(real, pid_v * BLOCK_V + arg, 2147483647)
+        index = tl.where(real, pid_v * BLOCK_V + arg, _INT32_MAX)
         tl.store(pval_ptr + p_row + j, value, mask=mask_b)
         tl.store(pidx_ptr + p_row + j, index, mask=mask_b)
-        key = tl.where(picked, taken, key)
+        key = tl.where(picked, _INT32_MIN, key)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -254,7 +258,7 @@ def _flags(dtype: torch.dtype, cfg: TileConfig) -> dict[str, bool]:
 
 
 def _check_config(cfg: TileConfig) -> None:
-    for name in ("block_b", "block_v", "block_r", "z_block_r", "z_block_d"):
+    for name in ("block_b", "block_v", "block_r", "z_block_r", "z_block_d", "reduce_block_t"):
         value = getattr(cfg, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"TileConfig.{name} must be a power of two, got {value}")
@@ -319,7 +323,7 @@ def lowrank_argmax(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, *,
     _argmax_tile_kernel[grid](z, w_up, pmax, pidx, *_tile_args(z, w_up), pmax.stride(0),
                               BLOCK_B=cfg.block_b, BLOCK_V=cfg.block_v, BLOCK_R=cfg.block_r, **flags,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    block_t = min(1024, triton.next_power_of_2(tiles))
+    block_t = min(cfg.reduce_block_t, triton.next_power_of_2(tiles))
     _argmax_reduce_kernel[(batch,)](pmax, pidx, out, tiles, pmax.stride(0), BLOCK_T=block_t,
                                     num_warps=4 if block_t >= 512 else 1)
     return out
@@ -353,7 +357,3 @@ def lowrank_topk(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, k: i
     values, order = torch.sort(pval, dim=-1, descending=True, stable=True)
     return values[:, :k].to(h.dtype), pidx.gather(-1, order[:, :k]).long()
 
-
-def with_overrides(cfg: TileConfig, **changes: int | bool) -> TileConfig:
-    """A copy of ``cfg`` with some fields changed (used by the GPU benchmark sweep)."""
-    return replace(cfg, **changes)

@@ -125,7 +125,9 @@ class LowRankHeadMixin(nn.Module):
             self._fast_argmax_checked = True
             floats = (torch.float16, torch.bfloat16, torch.float32)  # unquantized factors only
             usable = (self.lm_head.tp_size == 1 and self.logits_processor.scale > 0
-                      and self.lm_head.weight.dtype in floats and self.lm_head_down.weight.dtype in floats)
+                      and self.lm_head.weight.dtype in floats and self.lm_head_down.weight.dtype in floats
+                      # vLLM's CPU GEMM dispatch may repack a linear and leave .weight empty
+                      and self.lm_head_down.weight.shape == (self.slimspec_rank, self.config.hidden_size))
             self._fast_argmax = fast_argmax_for(device) if usable else None
             logger.info("SlimSpec greedy drafting: %s",
                         "slimspec.kernels.lowrank_argmax" if self._fast_argmax else "argmax of low-rank logits")

@@ -1,0 +1,186 @@
+"""Run a target (optionally with an EAGLE-3 drafter) in a real vLLM engine and print one JSON object.
+
+Runs inside .venv-vllm (see scripts/setup_vllm_venv.sh), from a neutral working directory: a folder
+named ``slimspec`` in the working directory would shadow the installed plugin package. Used by
+tests/e2e/test_vllm.py and by ``slimspec.evaluate.vllm_engine.evaluate_vllm``::
+
+    .venv-vllm/bin/python scripts/vllm_check.py --target T [--drafter D] --prompts-json prompts.json \\
+        [--max-new-tokens 64] [--draft-tokens 3] [--temperature 0] [--dtype float32] [--local-argmax]
+
+The JSON (the last line of stdout; vLLM's own logs go to stderr) holds the generated token ids, timings,
+and, with a drafter, vLLM's own speculative-decoding counters and tau = 1 + accepted / drafts. On failure
+it holds ``"ok": false`` and ``"error"`` and the exit code is 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+# Before vLLM is imported: in-process engine (starts in seconds, no __main__ re-import), logs on stderr.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SPEC_PREFIX = "vllm:spec_decode_"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="target model folder")
+    p.add_argument("--drafter", help="EAGLE-3 drafter folder (omit: no speculation)")
+    p.add_argument("--prompts-json", required=True, help="JSON file with a list of prompt strings")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--draft-tokens", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="float32 for lossless comparisons; bfloat16 for speed")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="on CPU: share of RAM")
+    p.add_argument("--local-argmax", action="store_true",
+                   help="greedy drafts through the model's get_top_tokens (use_local_argmax_reduction)")
+    p.add_argument("--enforce-eager", action="store_true", help="skip torch.compile (faster start, slower steps)")
+    p.add_argument("--no-chat-template", action="store_true", help="use the prompts as raw text")
+    p.add_argument("--no-warmup", action="store_true")
+    return p.parse_args(argv)
+
+
+def spec_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's cumulative speculative-decoding counters (drafts, draft tokens, accepted, accepted per position)."""
+    out: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
+    for metric in llm.get_metrics():
+        if not metric.name.startswith(SPEC_PREFIX):
+            continue
+        key = metric.name[len(SPEC_PREFIX):]
+        if key == "num_accepted_tokens_per_pos":
+            values = list(metric.values)
+            prev = out["accepted_per_pos"]
+            width = max(len(prev), len(values))
+            prev, values = prev + [0] * (width - len(prev)), values + [0] * (width - len(values))
+            out["accepted_per_pos"] = [a + b for a, b in zip(prev, values, strict=True)]
+        elif key in out:
+            out[key] += int(metric.value)
+    return out
+
+
+def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """Counters accumulated between two snapshots (the warm-up run is excluded)."""
+    per_pos = after["accepted_per_pos"]
+    prev = before["accepted_per_pos"] + [0] * (len(per_pos) - len(before["accepted_per_pos"]))
+    delta = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    delta["accepted_per_pos"] = [a - b for a, b in zip(per_pos, prev, strict=True)]
+    return delta
+
+
+def drafter_info(llm: Any) -> dict[str, Any]:
+    """Class of the drafter vLLM built and which greedy path it uses (in-process engine only)."""
+
+    def probe(worker: Any) -> dict[str, Any]:
+        drafter = getattr(worker.model_runner, "drafter", None)
+        model = getattr(drafter, "model", None)
+        if model is None:
+            return {"draft_model_class": None}
+        info: dict[str, Any] = {"draft_model_class": type(model).__name__,
+                                "draft_model_module": type(model).__module__,
+                                "head_shape": list(model.lm_head.weight.shape)}
+        if hasattr(model, "lm_head_down"):
+            info["head_down_shape"] = list(model.lm_head_down.weight.shape)
+            info["fast_argmax"] = getattr(model, "_fast_argmax", None) is not None
+        return info
+
+    try:
+        return llm.collective_rpc(probe)[0]
+    except Exception as exc:  # noqa: BLE001 - diagnostics only
+        return {"draft_model_class": None, "probe_error": f"{type(exc).__name__}: {exc}"}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import slimspec
+
+    if getattr(slimspec, "__file__", None) is None:
+        raise RuntimeError(f"'slimspec' resolved to a namespace package ({list(slimspec.__path__)}): run from a "
+                           "folder without a 'slimspec' directory")
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    with open(args.prompts_json, encoding="utf-8") as f:
+        prompts = json.load(f)
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts) or not prompts:
+        raise ValueError("--prompts-json must hold a non-empty list of strings")
+    speculative = None
+    if args.drafter:
+        speculative = {"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.draft_tokens}
+        if args.local_argmax:
+            speculative["use_local_argmax_reduction"] = True
+    start = time.perf_counter()
+    llm = LLM(model=args.target, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
+              gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=speculative,
+              enforce_eager=args.enforce_eager, disable_log_stats=False)
+    startup = time.perf_counter() - start
+    tokenizer = llm.get_tokenizer()
+    inputs: list[Any] = []
+    for prompt in prompts:
+        if args.no_chat_template:
+            inputs.append(prompt)
+            continue
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        ids = list(ids["input_ids"] if not isinstance(ids, list) else ids)
+        inputs.append({"prompt_token_ids": ids})
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, seed=args.seed)
+    if not args.no_warmup:
+        llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    before = spec_counters(llm) if args.drafter else None
+    start = time.perf_counter()
+    results = llm.generate(inputs, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    outputs = [list(r.outputs[0].token_ids) for r in results]
+    new_tokens = sum(len(o) for o in outputs)
+    report: dict[str, Any] = {
+        "ok": True, "vllm_version": vllm.__version__, "target": args.target, "drafter": args.drafter,
+        "dtype": args.dtype, "draft_tokens": args.draft_tokens if args.drafter else 0,
+        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
+        "startup_seconds": startup, "generate_seconds": seconds, "new_tokens": new_tokens,
+        "tokens_per_second": new_tokens / seconds if seconds else float("nan"),
+        "outputs": outputs, "texts": [r.outputs[0].text for r in results],
+        "slimspec_plugin_registered": _plugin_registered(),
+    }
+    if args.drafter:
+        spec = counter_delta(spec_counters(llm), before)
+        drafts = spec["num_drafts"]
+        report["spec_decode"] = spec
+        report["tau"] = 1.0 + spec["num_accepted_tokens"] / drafts if drafts else float("nan")
+        report["acceptance_per_position"] = [a / drafts for a in spec["accepted_per_pos"]] if drafts else []
+        report.update(drafter_info(llm))
+    return report
+
+
+def _plugin_registered() -> bool:
+    from vllm import ModelRegistry
+
+    return "Eagle3SlimSpecLlamaForCausalLM" in ModelRegistry.get_supported_archs()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        report = run(args)
+        code = 0
+    except Exception as exc:  # noqa: BLE001 - the caller reads the error from the JSON
+        traceback.print_exc(file=sys.stderr)
+        report = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "target": args.target,
+                  "drafter": args.drafter}
+        code = 3
+    sys.stdout.flush()
+    print(json.dumps(report), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
