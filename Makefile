@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.slimspec-installed
 
-.PHONY: setup demo test test-fast bench lint clean
+.PHONY: setup demo test test-fast bench gpu-bench lint clean
 
 setup: $(STAMP)
 
@@ -12,6 +12,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	# Triton (kernels run under TRITON_INTERPRET=1 on the CPU): a Linux-only wheel without dependencies
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps triton==3.9.0
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test]"
 	# speculators' EAGLE-3 model is the independent reference for our drafter's forward (tests only).
 	# --no-deps: its declared pins would downgrade datasets and pull torchvision/torchaudio next to our torch.
@@ -31,6 +33,9 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python scripts/bench.py
+
+gpu-bench: setup
+	$(BIN)/python scripts/gpu_bench.py
 
 lint: setup
 	$(BIN)/python -m ruff check src tests scripts

@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true", help="skip torch.compile (faster start, slower steps)")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompts as raw text")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--check-head", action="store_true",
+                   help="compare the served drafter's logits/top tokens on random hidden states with its checkpoint")
     return p.parse_args(argv)
 
 
@@ -98,6 +100,62 @@ def drafter_info(llm: Any) -> dict[str, Any]:
         return llm.collective_rpc(probe)[0]
     except Exception as exc:  # noqa: BLE001 - diagnostics only
         return {"draft_model_class": None, "probe_error": f"{type(exc).__name__}: {exc}"}
+
+
+def checkpoint_head(folder: str) -> dict[str, Any]:
+    """lm_head.weight, lm_head_down.weight (SlimSpec) and d2t from a drafter folder, as float tensors."""
+    import torch
+
+    path = os.path.join(folder, "model.safetensors")
+    if os.path.exists(path):
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)
+    else:
+        tensors = torch.load(os.path.join(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    return {"up": tensors["lm_head.weight"].double(), "down": tensors.get("lm_head_down.weight"),
+            "d2t": tensors.get("d2t")}
+
+
+def head_check(llm: Any, drafter: str, rows: int = 16, seed: int = 0) -> dict[str, Any]:
+    """The served head against the checkpoint's: logits on random hidden states, argmax, get_top_tokens.
+
+    Proves that vLLM runs the checkpoint's factors (not a random or shared head), whatever the acceptance.
+    """
+    import torch
+
+    def probe(worker: Any) -> dict[str, Any]:
+        model = worker.model_runner.drafter.model
+        weight = model.lm_head.weight
+        gen = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(rows, model.config.hidden_size, generator=gen)
+        h = hidden.to(device=weight.device, dtype=weight.dtype)
+        with torch.inference_mode():
+            logits = model.compute_logits(h).float().cpu()
+            top = model.get_top_tokens(h).cpu() if hasattr(model, "get_top_tokens") else None
+        return {"hidden": hidden, "logits": logits, "top": top}
+
+    got = llm.collective_rpc(probe)[0]
+    ref_head = checkpoint_head(drafter)
+    h = got["hidden"].double()
+    if ref_head["down"] is not None:
+        h = h @ ref_head["down"].double().T
+    head_logits = h @ ref_head["up"].T
+    if ref_head["d2t"] is None:
+        ref = head_logits
+    else:
+        ids = torch.arange(head_logits.shape[1]) + ref_head["d2t"].long()
+        ref = torch.full((head_logits.shape[0], got["logits"].shape[1]), float("-inf"), dtype=torch.float64)
+        ref[:, ids] = head_logits
+    logits = got["logits"].double()
+    finite = torch.isfinite(ref)
+    err = (logits[finite] - ref[finite]).abs().max().item() if finite.any() else float("nan")
+    out = {"rows": rows, "max_abs_err": err, "ref_max_abs": ref[finite].abs().max().item(),
+           "mask_agree": bool(torch.equal(finite, torch.isfinite(logits))),
+           "argmax_agree": bool(torch.equal(logits.argmax(-1), ref.argmax(-1)))}
+    if got["top"] is not None:
+        out["top_tokens_agree"] = bool(torch.equal(got["top"].long(), ref.argmax(-1)))
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,6 +216,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["tau"] = 1.0 + spec["num_accepted_tokens"] / drafts if drafts else float("nan")
         report["acceptance_per_position"] = [a / drafts for a in spec["accepted_per_pos"]] if drafts else []
         report.update(drafter_info(llm))
+        if args.check_head:
+            report["head_check"] = head_check(llm, args.drafter)
     return report
 
 
@@ -174,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         code = 0
     except Exception as exc:  # noqa: BLE001 - the caller reads the error from the JSON
         traceback.print_exc(file=sys.stderr)
-        report = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "target": args.target,
+        message = f"{type(exc).__name__}: {exc}"
+        if len(message) > 1500:  # vLLM appends every supported architecture
+            message = message[:1500] + " ..."
+        report = {"ok": False, "error": message, "target": args.target,
                   "drafter": args.drafter}
         code = 3
     sys.stdout.flush()

@@ -213,6 +213,22 @@ def test_triton_smoke_via_dispatcher(tlr):
     assert isinstance(kernels.lowrank_argmax(h, w_down, w_up), torch.Tensor)
 
 
+@pytest.mark.parametrize("path", ["fma", "dot"])
+def test_triton_strided_inputs(tlr, path):
+    """Catches kernels that assume contiguous tensors (a stride swapped or dropped): h is every other row of a
+    larger tensor, w_down and w_up are transposed views (rank / hidden stride != 1)."""
+    h, w_down, w_up, winners = _planted(3, 37, torch.float32)
+    h_strided = torch.zeros(6, D)
+    h_strided[::2] = h
+    w_down_t = w_down.T.contiguous().T
+    w_up_t = w_up.T.contiguous().T
+    assert w_up_t.stride() == (1, V) and w_down_t.stride() == (1, 37)
+    cfg = _config(tlr, 3, path)
+    logits = tlr.lowrank_logits(h_strided[::2], w_down_t, w_up_t, config=cfg)
+    torch.testing.assert_close(logits.double(), _exact(h, w_down, w_up), rtol=1e-5, atol=1e-5)
+    assert torch.equal(tlr.lowrank_argmax(h_strided[::2], w_down_t, w_up_t, config=cfg), winners)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("rank", [72, 37])
@@ -239,7 +255,7 @@ def test_triton_logits_and_argmax_odd_shapes(tlr, batch, path, rank, dtype):
     assert argmax.dtype == torch.int64 and torch.equal(argmax, expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_triton_dot_path_keeps_z_precision(tlr, dtype):
     """Catches the tl.dot path rounding z = h @ w_down.T to 16 bits (error ~4e-3 relative for bf16, 2e-4 for
     fp16): with the hi/lo split the float32 logits stay within 1e-4 of float64, like the FMA path."""
@@ -274,7 +290,8 @@ def test_triton_argmax_ties_lowest_index(tlr, path, dtype):
     assert torch.equal(tlr.lowrank_argmax(h, w_down, w_up, config=cfg), expected)
 
 
-@pytest.mark.parametrize(("dtype", "path"), [(torch.float32, "fma"), (torch.bfloat16, "dot")])
+@pytest.mark.parametrize(("dtype", "path"), [(torch.float32, "fma"), (torch.bfloat16, "dot")],
+                         ids=["fp32-fma", "bf16-dot"])
 def test_triton_argmax_nan_like_torch(tlr, dtype, path):
     """Catches NaN handling that differs from torch.argmax (a NaN logit wins, first NaN index): NaN rows of w_up
     at 650 and 700 (two tiles; both beat the planted finite winners), and a NaN hidden state (all logits NaN:
@@ -292,7 +309,8 @@ def test_triton_argmax_nan_like_torch(tlr, dtype, path):
     assert torch.equal(reference.lowrank_argmax(h, w_down, w_up), expected)
 
 
-@pytest.mark.parametrize(("batch", "path", "dtype"), [(3, "fma", torch.bfloat16), (64, "dot", torch.float16)])
+@pytest.mark.parametrize(("batch", "path", "dtype"), [(3, "fma", torch.bfloat16), (64, "dot", torch.float16)],
+                         ids=["3-fma-bf16", "64-dot-fp16"])
 def test_triton_topk_matches_stable_sort(tlr, batch, path, dtype):
     """Catches per-tile top-k bugs (re-picking a taken entry, losing candidates of the partial last tile, merge
     order): on exact integer logits with many ties, indices and values equal a float64 stable descending sort
@@ -336,3 +354,64 @@ def test_triton_empty_batch(tlr):
     assert tlr.lowrank_argmax(h, w_down, w_up).shape == (0,)
     values, indices = tlr.lowrank_topk(h, w_down, w_up, 3)
     assert values.shape == indices.shape == (0, 3)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ahead-of-time compilation for the H200 (no GPU needed)
+
+
+def _compile_for_sm90() -> None:
+    """Compile every kernel variant the default configs launch for sm_90 (Triton -> PTX -> cubin with the
+    bundled ptxas). Runs in a fresh process without TRITON_INTERPRET (interpreted kernels cannot compile)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from slimspec.kernels import triton_lowrank as tlr
+
+    target = GPUTarget("cuda", 90, 32)
+    ones = {"stride_wr", "stride_hd", "stride_wd"}  # contiguous last dims: Triton specializes stride == 1
+    aligned = {"h_ptr", "w_ptr", "z_ptr", "out_ptr", "pmax_ptr", "pidx_ptr", "pval_ptr", "stride_hb", "stride_zb",
+               "stride_wv", "stride_ob", "R", "D"}
+
+    def build(fn, types: dict[str, str], constexprs: dict[str, object], cfg) -> None:
+        constexprs = {**constexprs, **{name: 1 for name in fn.arg_names if name in ones}}
+        signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if n in aligned and n not in constexprs}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        kernel = triton.compile(source, target=target,
+                                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        assert kernel.asm.get("cubin"), fn.__name__
+
+    for dtype, name, batch in [(torch.bfloat16, "bf16", 1), (torch.bfloat16, "bf16", 3), (torch.bfloat16, "bf16", 64),
+                               (torch.float16, "fp16", 16), (torch.float32, "fp32", 64)]:
+        cfg = tlr.default_config(batch, dtype)
+        flags = tlr._flags(dtype, cfg)
+        blocks = {"BLOCK_B": cfg.block_b, "BLOCK_V": cfg.block_v, "BLOCK_R": cfg.block_r}
+        build(tlr._down_proj_kernel, {"h_ptr": f"*{name}", "w_ptr": f"*{name}", "z_ptr": "*fp32"},
+              {"BLOCK_B": cfg.block_b, "BLOCK_R": cfg.z_block_r, "BLOCK_D": cfg.z_block_d, "USE_DOT": cfg.use_dot,
+               "DOT_F32": False, "IEEE": flags["IEEE"]}, cfg)
+        build(tlr._logits_kernel, {"z_ptr": "*fp32", "w_ptr": f"*{name}", "out_ptr": f"*{name}"},
+              {**blocks, **flags}, cfg)
+        build(tlr._argmax_tile_kernel, {"z_ptr": "*fp32", "w_ptr": f"*{name}", "pmax_ptr": "*fp32",
+                                        "pidx_ptr": "*i32"}, {**blocks, **flags}, cfg)
+        build(tlr._topk_tile_kernel, {"z_ptr": "*fp32", "w_ptr": f"*{name}", "pval_ptr": "*fp32",
+                                      "pidx_ptr": "*i32"}, {**blocks, **flags, "K": 4}, cfg)
+    build(tlr._argmax_reduce_kernel, {"pmax_ptr": "*fp32", "pidx_ptr": "*i32", "out_ptr": "*i64"},
+          {"BLOCK_T": 1024}, tlr.default_config(1, torch.bfloat16))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_triton_missing(), reason="triton is not installed")
+def test_kernels_compile_for_sm90(tmp_path):
+    """Catches what the interpreter cannot see: code that does not lower to GPU code (tl.dot shape/dtype limits,
+    layouts of the 3-D FMA tile, scalar loop-carried values, bitcasts) — every default variant must compile
+    for the H200's sm_90 with Triton's bundled ptxas, no GPU needed."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    code = "from tests.unit.test_kernels import _compile_for_sm90; _compile_for_sm90()"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]

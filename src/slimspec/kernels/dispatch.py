@@ -6,6 +6,7 @@ that runs on the Triton path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -58,6 +59,11 @@ def _resolve(backend: str, tensor: torch.Tensor) -> Backend:
     raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
 
 
+def _on_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Launch on the inputs' GPU even when another one is current (Triton launches on the current device)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
 def _flatten(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     """Check shapes/dtypes/devices; return h as [B, d]."""
     if w_down.dim() != 2 or w_up.dim() != 2:
@@ -83,7 +89,8 @@ def lowrank_logits(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, *,
     if _resolve(backend, h) == "triton":
         from slimspec.kernels import triton_lowrank
 
-        out = triton_lowrank.lowrank_logits(h2, w_down, w_up)
+        with _on_device(h2):
+            out = triton_lowrank.lowrank_logits(h2, w_down, w_up)
     else:
         out = reference.lowrank_logits(h2, w_down, w_up)
     return out.reshape(*h.shape[:-1], w_up.shape[0])
@@ -100,7 +107,8 @@ def lowrank_argmax(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, *,
     if _resolve(backend, h) == "triton":
         from slimspec.kernels import triton_lowrank
 
-        out = triton_lowrank.lowrank_argmax(h2, w_down, w_up)
+        with _on_device(h2):
+            out = triton_lowrank.lowrank_argmax(h2, w_down, w_up)
     else:
         out = reference.lowrank_argmax(h2, w_down, w_up)
     return out.reshape(h.shape[:-1])
@@ -118,7 +126,8 @@ def lowrank_topk(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, k: i
     if _resolve(backend, h) == "triton":
         from slimspec.kernels import triton_lowrank
 
-        values, indices = triton_lowrank.lowrank_topk(h2, w_down, w_up, k)
+        with _on_device(h2):
+            values, indices = triton_lowrank.lowrank_topk(h2, w_down, w_up, k)
     else:
         values, indices = reference.lowrank_topk(h2, w_down, w_up, k)
     shape = (*h.shape[:-1], k)

@@ -19,12 +19,16 @@ Two inner-product paths, chosen per call by ``TileConfig.use_dot``:
 Ties: lowest index among equal maxima (``tie_break_left`` inside a tile, strict ``>`` across tiles in index
 order), as ``torch.argmax``. NaN: a NaN logit wins and the first NaN index is returned, as ``torch.argmax``.
 
+Limits: fp16 inputs need |z| < 65504 on the tl.dot path (z_hi is an fp16 value; torch's fp16 matmul has the
+same range); indices are int32 inside the kernels (V < 2**31); top-k fuses k <= 32.
+
 Interpreter (``TRITON_INTERPRET=1``): Triton 3.9's interpreter multiplies the raw bit patterns of bfloat16
 ``tl.dot`` operands (triton-lang/triton#11584, not supported upstream) and also mis-evaluates bf16
 arithmetic; the kernels only convert bf16 values, never compute on them, and under the interpreter bf16 dot
 operands are upcast to float32 first (exact; ``DOT_F32``). Compiled GPU code never takes that branch. The
 interpreter also truncates float32 -> bfloat16 conversions (GPU: round to nearest even), so interpreted bf16
-results can differ from torch's by one bf16 ulp.
+results can differ from torch's by one bf16 ulp, and its argmax always returns the leftmost maximum whatever
+``tie_break_left`` says: compiled tie-breaking is checked by ``scripts/gpu_bench.py`` on a GPU.
 """
 
 from __future__ import annotations
@@ -62,11 +66,12 @@ def default_config(batch: int, dtype: torch.dtype) -> TileConfig:
     del dtype  # same tiles for every dtype for now
     if batch <= _FMA_MAX_B:
         block_b = triton.next_power_of_2(max(batch, 1))
+        # z kernel: r / 2 = 256 programs for r = 512, each streaming 2 rows of w_down in <= 2048-wide chunks
         return TileConfig(block_b=block_b, block_v=128 // block_b, block_r=64, use_dot=False,
-                          num_warps=4, num_stages=3, z_block_r=4, z_block_d=256)
+                          num_warps=4, num_stages=3, z_block_r=2, z_block_d=2048 // block_b)
     block_b = min(64, max(16, triton.next_power_of_2(batch)))
     return TileConfig(block_b=block_b, block_v=128, block_r=64, use_dot=True,
-                      num_warps=8 if block_b >= 64 else 4, num_stages=3, z_block_r=16, z_block_d=64)
+                      num_warps=8 if block_b >= 64 else 4, num_stages=3, z_block_r=16, z_block_d=128)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -105,6 +110,8 @@ def _down_proj_kernel(h_ptr, w_ptr, z_ptr, B, R, D,
         w = tl.load(w_rows + offs_d[None, :] * stride_wd, mask=mask_r[:, None] & mask_d[None, :], other=0.0)
         if USE_DOT:
             acc = _mma(h, tl.trans(w), acc, DOT_F32, IEEE)
+        elif BLOCK_B == 1:  # 2-D layout for the single-row GEMV (decode)
+            acc += tl.sum(w.to(tl.float32) * h.to(tl.float32), axis=1)[None, :]
         else:
             acc += tl.sum(h.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     z_ptrs = z_ptr + offs_b.to(tl.int64)[:, None] * stride_zb + offs_r[None, :]
@@ -116,6 +123,20 @@ def _logits_tile(z_ptr, w_ptr, offs_b, offs_v, B, V, R, stride_zb, stride_wv, st
                  BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
                  USE_DOT: tl.constexpr, SPLIT_Z: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
     """float32 [BLOCK_B, BLOCK_V] tile of z @ w_up.T (rows offs_b, vocabulary offs_v); masked entries are 0."""
+    if USE_DOT:
+        acc = _dot_tile(z_ptr, w_ptr, offs_b, offs_v, B, V, R, stride_zb, stride_wv, stride_wr,
+                        BLOCK_B, BLOCK_V, BLOCK_R, SPLIT_Z, DOT_F32, IEEE)
+    else:
+        acc = _fma_tile(z_ptr, w_ptr, offs_b, offs_v, B, V, R, stride_zb, stride_wv, stride_wr,
+                        BLOCK_B, BLOCK_V, BLOCK_R)
+    return acc
+
+
+@triton.jit
+def _dot_tile(z_ptr, w_ptr, offs_b, offs_v, B, V, R, stride_zb, stride_wv, stride_wr,
+              BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+              SPLIT_Z: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
+    """Tensor-core tile: per rank chunk, acc += z_chunk @ w_chunk.T (z as hi + lo halves when SPLIT_Z)."""
     mask_b = offs_b < B
     mask_v = offs_v < V
     z_rows = z_ptr + offs_b.to(tl.int64)[:, None] * stride_zb
@@ -126,16 +147,35 @@ def _logits_tile(z_ptr, w_ptr, offs_b, offs_v, B, V, R, stride_zb, stride_wv, st
         mask_r = offs_r < R
         z = tl.load(z_rows + offs_r[None, :], mask=mask_b[:, None] & mask_r[None, :], other=0.0)
         w = tl.load(w_rows + offs_r[None, :] * stride_wr, mask=mask_v[:, None] & mask_r[None, :], other=0.0)
-        if USE_DOT:
-            wt = tl.trans(w)
-            if SPLIT_Z:
-                z_hi = z.to(w.dtype)
-                z_lo = (z - z_hi.to(tl.float32)).to(w.dtype)
-                acc = _mma(z_hi, wt, acc, DOT_F32, IEEE)
-                acc = _mma(z_lo, wt, acc, DOT_F32, IEEE)
-            else:
-                acc = _mma(z.to(w.dtype), wt, acc, DOT_F32, IEEE)
+        wt = tl.trans(w)
+        if SPLIT_Z:
+            z_hi = z.to(w.dtype)
+            z_lo = (z - z_hi.to(tl.float32)).to(w.dtype)
+            acc = _mma(z_hi, wt, acc, DOT_F32, IEEE)
+            acc = _mma(z_lo, wt, acc, DOT_F32, IEEE)
         else:
+            acc = _mma(z.to(w.dtype), wt, acc, DOT_F32, IEEE)
+    return acc
+
+
+@triton.jit
+def _fma_tile(z_ptr, w_ptr, offs_b, offs_v, B, V, R, stride_zb, stride_wv, stride_wr,
+              BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+    """CUDA-core tile for a few rows (GEMV-like): float32 multiply-adds, reduced over each rank chunk."""
+    mask_b = offs_b < B
+    mask_v = offs_v < V
+    z_rows = z_ptr + offs_b.to(tl.int64)[:, None] * stride_zb
+    w_rows = w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv
+    acc = tl.zeros((BLOCK_B, BLOCK_V), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        w = tl.load(w_rows + offs_r[None, :] * stride_wr, mask=mask_v[:, None] & mask_r[None, :], other=0.0)
+        if BLOCK_B == 1:  # 2-D layout for the single-row GEMV (decode)
+            z = tl.load(z_rows + offs_r[None, :], mask=mask_b[:, None] & mask_r[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * z, axis=1)[None, :]
+        else:
+            z = tl.load(z_rows + offs_r[None, :], mask=mask_b[:, None] & mask_r[None, :], other=0.0)
             acc += tl.sum(z[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     return acc
 
