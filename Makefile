@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.slimspec-installed
 setup: $(STAMP)
 
 # torch first, pinned: 2.13.0 is served here as a CPU build (never pull a multi-GB CUDA build).
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
 	# Triton (kernels run under TRITON_INTERPRET=1 on the CPU): a Linux-only wheel without dependencies
