@@ -84,7 +84,11 @@ def _data_and_config(kw: dict, steps: int):
 @click.argument("drafter")
 @click.option("--target", "-t", help="Target model the drafter serves (Hub id, folder or embedded: name).")
 @click.option("--rank", "-r", default="d/8", show_default=True,
-              help="d/N, an integer, or energy:F (smallest r keeping share F of the head's squared singular values).")
+              help="d/N, an integer, energy:F (smallest r keeping share F of the head's squared singular values), "
+                   "or auto (measure nu and tau at d/4..d/32, each briefly distilled; keep the best predicted "
+                   "rho_TPS at --kappa).")
+@click.option("--kappa", type=float, default=0.5, show_default=True,
+              help="--rank auto: the head's share of a draft+verify cycle (measure it with slimspec bench --kappa).")
 @click.option("--vocab", type=click.Choice(["full", "draft"]), default="full", show_default=True,
               help="full: head over the whole target vocabulary (draft rows from the drafter, the rest from the "
                    "target's head); draft: keep the drafter's draft vocabulary and its d2t.")
@@ -107,7 +111,7 @@ def _data_and_config(kw: dict, steps: int):
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
 def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path | None, dtype: str | None,
             overwrite: bool, revision: str | None, stitch: str, init: str, distill_steps: int,
-            push_to: str | None, as_json: bool, quiet: bool, **kw) -> None:
+            push_to: str | None, as_json: bool, quiet: bool, kappa: float, **kw) -> None:
     """Replace DRAFTER's LM head by an SVD-initialised low-rank pair and write a vLLM-ready folder.
 
     \b
@@ -118,9 +122,22 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
     from slimspec.convert.pipeline import convert as run_convert
 
     options, cfg = _data_and_config(kw, distill_steps)
-    result = run_convert(drafter, target, rank, vocab=vocab, out=out, dtype=dtype, overwrite=overwrite,
-                         revision=revision, progress=not quiet, stitch=stitch, init=init, distill_steps=distill_steps,
-                         data_options=options, distill_config=cfg)
+    if rank == "auto":
+        from slimspec.convert.pipeline import ConvertResult, model_name
+        from slimspec.evaluate.plane import convert_rank_auto
+
+        if target is None:
+            raise click.UsageError("--rank auto needs --target")
+        out = out or Path(f"{model_name(drafter)}-slimspec-auto")
+        best, _ = convert_rank_auto(drafter, target, out, kappa=kappa, distill_steps=distill_steps or 60,
+                                    calibration_prompts=options.num_prompts or 64, overwrite=overwrite,
+                                    progress=not quiet)
+        saved = json.loads((out / "slimspec.json").read_text())
+        result = ConvertResult(out=out, rank=saved["rank"], report=saved)
+    else:
+        result = run_convert(drafter, target, rank, vocab=vocab, out=out, dtype=dtype, overwrite=overwrite,
+                             revision=revision, progress=not quiet, stitch=stitch, init=init,
+                             distill_steps=distill_steps, data_options=options, distill_config=cfg)
     report = {"out": str(result.out), **result.report}
     if push_to:
         from slimspec.publish import push as run_push
@@ -280,7 +297,51 @@ def batch(manifest: Path, continue_on_error: bool, report: Path | None) -> None:
         sys.exit(1)
 
 
-@main.command(name="bench")
+class BenchGroup(click.Group):
+    """`slimspec bench [CHECKPOINT] [options]` runs the head bench; `slimspec bench plane ...` the plane."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and (args[0] in self.commands or args[0] in ("-h", "--help")):
+            return super().parse_args(ctx, args)
+        return super().parse_args(ctx, ["head", *args])
+
+
+@main.group(name="bench", cls=BenchGroup)
+def bench_group() -> None:
+    """Head latency (`slimspec bench [CHECKPOINT]`) and the acceptance-cost plane (`slimspec bench plane`)."""
+
+
+@bench_group.command(name="plane")
+@click.argument("drafter")
+@click.option("--target", "-t", required=True, help="The drafter's target.")
+@click.option("--ranks", default="d/4,d/8,d/16", show_default=True, help="SlimSpec ranks (comma separated).")
+@click.option("--trim-sizes", default="1024,4096", show_default=True, help="Vocabulary-trimming sizes.")
+@click.option("--distill-steps", type=int, default=60, show_default=True)
+@click.option("--num-prompts", type=int, default=8, show_default=True, help="mt_bench prompts for tau.")
+@click.option("--max-new-tokens", type=int, default=96, show_default=True)
+@click.option("--kappa", "kappas", default="0.25,0.5,1.0", show_default=True, help="Iso-speedup curves.")
+@click.option("--calibration-prompts", type=int, default=64, show_default=True,
+              help="Shipped prompts (answers regenerated) for distillation and VocabTrim counts.")
+@click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("out/plane"), show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_plane(drafter: str, target: str, ranks: str, trim_sizes: str, distill_steps: int, num_prompts: int,
+                max_new_tokens: int, kappas: str, calibration_prompts: int, out: Path, as_json: bool) -> None:
+    """Points (nu, rho_tau) for the full head, SlimSpec ranks and vocabulary trims; PNG + markdown table."""
+    from slimspec.evaluate.plane import build_plane, plane_report
+
+    points = build_plane(drafter, target, out, ranks=tuple(ranks.split(",")),
+                         trim_sizes=tuple(int(x) for x in trim_sizes.split(",")), distill_steps=distill_steps,
+                         num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                         calibration_prompts=calibration_prompts)
+    report = plane_report(points, tuple(float(k) for k in kappas.split(",")), out, f"{drafter} on {target}")
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    click.echo("\n".join(report["table"]))
+    click.echo(f"plot: {report['png']}")
+
+
+@bench_group.command(name="head")
 @click.argument("checkpoint", required=False)
 @click.option("--vocab", type=int, help="Head rows V (without CHECKPOINT).")
 @click.option("--hidden", type=int, help="Hidden size d (without CHECKPOINT).")

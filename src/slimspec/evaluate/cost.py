@@ -59,6 +59,16 @@ def head_latency(vocab: int, hidden: int, rank: int, *, batch: int = 1, dtype: t
 
 
 @torch.no_grad()
+def full_head_seconds(rows: int, hidden: int, *, batch: int = 1, dtype: torch.dtype = torch.float32,
+                      repeats: int = 15, seed: int = 0) -> float:
+    """Greedy step (logits + argmax) of a full ``[rows, hidden]`` head."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, hidden, generator=g).to(dtype)
+    h = torch.randn(batch, hidden, generator=g).to(dtype)
+    return best_time(lambda: torch.argmax(h @ w.T, dim=-1), repeats=repeats)
+
+
+@torch.no_grad()
 def measure_kappa(target, drafter, *, draft_tokens: int = 4, context: int = 256, repeats: int = 10) -> dict[str, float]:
     """kappa for one greedy draft+verify cycle: K head steps over K drafter-layer steps + one target verify.
 

@@ -1,0 +1,46 @@
+"""The acceptance-cost plane and --rank auto, end to end on a tiny target (smoke + selection logic)."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from slimspec.cli import main
+from slimspec.evaluate.cost import predicted_speedup
+from slimspec.evaluate.plane import PlanePoint, best_rank, plane_table
+from tests.layouts import Spec, write_drafter
+
+pytestmark = pytest.mark.slow
+
+
+def test_best_rank_maximises_predicted_speedup():
+    """Catches --rank auto picking by nu or tau alone instead of rho_TPS = rho_tau (1+k)/(1+nu k)."""
+    pts = [PlanePoint("a", "slimspec", 0.5, 2.0, 0.99, 1, ""), PlanePoint("b", "slimspec", 0.2, 1.9, 0.95, 1, ""),
+           PlanePoint("c", "slimspec", 0.1, 1.5, 0.75, 1, ""), PlanePoint("full", "full", 1.0, 2.0, 1.0, 1, "")]
+    assert best_rank(pts, 2.0).name == "b"  # 0.95*3/1.4 = 2.04 > 0.99*3/2 = 1.49, 0.75*3/1.2 = 1.875
+    assert best_rank(pts, 0.01).name == "a"
+    table = plane_table(pts, (0.5,))
+    assert table[2].startswith("| a | 0.500 | 2.000 | 0.990 | ")
+    assert f"{predicted_speedup(0.99, 0.5, 0.5):.3f}" in table[2]
+
+
+def test_plane_and_rank_auto_on_tiny_target(tiny_target, tmp_path):
+    write_drafter(tmp_path / "d", "eagle", Spec(vocab=49152, draft_vocab=2048, hidden=32, target_hidden=32))
+    common = ["--num-prompts", "1", "--max-new-tokens", "6", "--distill-steps", "2"]
+    result = CliRunner().invoke(main, ["bench", "plane", str(tmp_path / "d"), "-t", str(tiny_target), "--ranks",
+                                       "d/4,d/8", "--trim-sizes", "512", "-o", str(tmp_path / "plane"), "--json",
+                                       "--calibration-prompts", "4", *common])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    kinds = [p["kind"] for p in report["points"]]
+    assert kinds == ["full", "slimspec", "slimspec", "vocabtrim", "frspec"]
+    assert (tmp_path / "plane" / "plane.png").stat().st_size > 5000
+    assert all(p["tau"] >= 1.0 for p in report["points"])
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tiny_target), "--rank", "auto",
+                                       "--kappa", "1.0", "-o", str(tmp_path / "auto"), "--distill-steps", "2",
+                                       "--num-prompts", "4", "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((tmp_path / "auto" / "slimspec.json").read_text())
+    chosen = saved["rank_auto"]["chosen"]
+    best = max(saved["rank_auto"]["predicted_rho_tps"].items(), key=lambda kv: kv[1] if "SlimSpec" in kv[0] else -1)
+    assert chosen == best[0] and json.loads(result.stdout)["rank"] == saved["rank"]
