@@ -211,13 +211,29 @@ def main() -> int:
         "side by side in this run, not absolute times.",
         "",
     ]
-    body: list[str] = []
+    sections = _existing_sections(Path(args.out))
     for name in args.only or SECTIONS:
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
-        body += SECTIONS[name]()
+        lines = SECTIONS[name]()
+        sections[lines[0]] = lines
+        print("\n".join(lines))
+    body = [line for lines in sections.values() for line in lines]
     Path(args.out).write_text("\n".join(header + body))
-    print("\n".join(body))
     return 0
+
+
+def _existing_sections(path: Path) -> dict[str, list[str]]:
+    """Sections (by their '## ' heading) of an existing BENCHMARKS.md, so `--only` updates just its own."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    if path.exists():
+        for line in path.read_text().split("\n"):
+            if line.startswith("## "):
+                current = line
+                sections[current] = []
+            if current is not None:
+                sections[current].append(line)
+    return sections
 
 
 if __name__ == "__main__":

