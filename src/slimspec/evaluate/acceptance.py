@@ -68,9 +68,20 @@ def evaluate(
     temperature: float = 0.0,
     seed: int = 0,
     baseline: str | None = None,
+    engine: str = "reference",
     progress: bool = True,
 ) -> dict[str, Any]:
-    """tau, per-position acceptance and tokens/s of ``drafter`` (and ``baseline``, with rho_tau) on eval prompts."""
+    """tau, per-position acceptance and tokens/s of ``drafter`` (and ``baseline``, with rho_tau) on eval prompts.
+
+    ``engine="vllm"``: the top-level numbers come from a real vLLM engine (``.venv-vllm``, SlimSpec plugin),
+    with the reference decoder's beside them under ``"reference"`` (same keys).
+    """
+    if engine == "vllm":
+        return _evaluate_both(drafter, target, dataset=dataset, num_prompts=num_prompts,
+                              max_new_tokens=max_new_tokens, draft_tokens=draft_tokens, temperature=temperature,
+                              seed=seed, baseline=baseline, progress=progress)
+    if engine != "reference":
+        raise SlimSpecError(f"--engine must be 'reference' or 'vllm', got {engine!r}")
     from tqdm.auto import tqdm
 
     from slimspec.distill.teacher import _chat_ids, load_target_model
@@ -111,3 +122,30 @@ def target_greedy(target_model, prompt_ids: list[int], max_new_tokens: int, eos:
     out = target_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                                 eos_token_id=eos, pad_token_id=eos)
     return out[0, len(prompt_ids):].tolist()
+
+
+def _evaluate_both(drafter: str, target: str | None, *, dataset: str, num_prompts: int | None, max_new_tokens: int,
+                   draft_tokens: int, temperature: float, seed: int, baseline: str | None,
+                   progress: bool) -> dict[str, Any]:
+    from slimspec.evaluate.vllm_engine import evaluate_vllm
+    from slimspec.hub import resolve_model
+
+    reference = evaluate(drafter, target, dataset=dataset, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                         draft_tokens=draft_tokens, temperature=temperature, seed=seed, baseline=baseline,
+                         progress=progress)
+    target_path = resolve_model(reference["target"], "model")
+    prompts = eval_prompts(dataset, num_prompts)
+
+    def measure(name: str) -> dict[str, Any]:
+        return evaluate_vllm(resolve_model(name, "drafter"), target_path, prompts=prompts,
+                             max_new_tokens=max_new_tokens, draft_tokens=draft_tokens, temperature=temperature,
+                             seed=seed)
+
+    report = {**reference, **measure(drafter), "engine": "vllm",
+              "reference": {k: reference[k] for k in ("tau", "acceptance_per_position", "tokens_per_second",
+                                                      "num_prompts")}}
+    if baseline is not None:
+        report["baseline"] = {**measure(baseline), "drafter": baseline, "reference": reference["baseline"]}
+        report["rho_tau"] = report["tau"] / report["baseline"]["tau"]
+        report["reference"]["rho_tau"] = reference["rho_tau"]
+    return report

