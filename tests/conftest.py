@@ -1,3 +1,10 @@
+import os
+
+# Triton kernels run in Triton's interpreter on these CPU-only machines. Set before anything imports triton
+# (speculators' flex-attention import does): triton reads the flag once, and kernels decorated without it
+# cannot run in the interpreter later.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 from tests.layouts import Spec, write_drafter, write_target

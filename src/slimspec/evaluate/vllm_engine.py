@@ -57,6 +57,7 @@ def run_vllm_check(target: str | Path, prompts: list[str], *, drafter: str | Pat
             cmd += ["--drafter", str(drafter)]
         cmd += extra_args or []
         full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
+        full_env.pop("TRITON_INTERPRET", None)  # vLLM's own Triton use must not run in the interpreter
         full_env.pop("PYTHONPATH", None)  # never let this process's paths shadow the venv's packages
         proc = subprocess.run(cmd, cwd=tmp, env=full_env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
