@@ -58,6 +58,23 @@ def drafter_config_json(
     return config
 
 
+def eagle_config_json(cfg: DrafterConfig, draft_vocab: int) -> dict[str, Any]:
+    """A flat Llama config in the EAGLE (yuhuili) layout, for drafters we write with full-rank heads."""
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"], "model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "num_hidden_layers": 1,
+        "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size, "draft_vocab_size": draft_vocab, "target_hidden_size": cfg.target_hidden_size,
+        "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": cfg.fc_norm, "torch_dtype": "float16", "tie_word_embeddings": False,
+    }
+    if cfg.aux_layer_ids:
+        config["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
+    return config
+
+
 def model_card(*, drafter_id: str, target_id: str, rank: int, hidden: int, report: dict[str, Any],
                out_name: str) -> str:
     """README.md with Hub metadata, what was done, the numbers, and how to serve it."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from slimspec.checkpoint.drafter import DrafterConfig
-from slimspec.checkpoint.writer import atomic_folder, check_output_free, write_json
+from slimspec.checkpoint.writer import atomic_folder, check_output_free, eagle_config_json, write_json
 from slimspec.distill.pipeline import DataOptions, TargetParts, load_target_parts
 from slimspec.distill.teacher import TeacherData, TeacherSettings, build_teacher_data, default_aux_layers
 from slimspec.distill.train import DistillConfig, DistillResult, distill_drafter
@@ -125,13 +125,7 @@ def write_eagle_layout(drafter: Eagle3Drafter, config: DrafterConfig, draft_ids:
         t2d[draft_ids] = True
         tensors["d2t"] = (draft_ids - torch.arange(draft_ids.numel())).long()
         tensors["t2d"] = t2d
-    flat = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.hidden_size,
-            "intermediate_size": config.intermediate_size, "num_attention_heads": config.num_attention_heads,
-            "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim, "num_hidden_layers": 1,
-            "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-            "rope_scaling": config.rope_scaling, "max_position_embeddings": config.max_position_embeddings,
-            "vocab_size": config.vocab_size, "draft_vocab_size": config.draft_vocab_size, "torch_dtype": "float16",
-            "tie_word_embeddings": False}
+    flat = eagle_config_json(config, config.draft_vocab_size)
     with atomic_folder(out, overwrite) as tmp:
         torch.save(tensors, tmp / "pytorch_model.bin")
         write_json(tmp / "config.json", flat)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from slimspec.checkpoint.drafter import DrafterCheckpoint
-from slimspec.checkpoint.writer import atomic_folder, write_json
+from slimspec.checkpoint.writer import atomic_folder, eagle_config_json, write_json
 from slimspec.errors import SlimSpecError
 
 
@@ -40,17 +40,7 @@ def write_trimmed(ckpt: DrafterCheckpoint, keep: torch.Tensor, out: Path) -> Pat
     t2d = torch.zeros(ckpt.config.vocab_size, dtype=torch.bool)
     t2d[targets] = True
     tensors["t2d"] = t2d
-    cfg = ckpt.config
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
-              "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
-              "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "num_hidden_layers": 1,
-              "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-              "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_position_embeddings,
-              "vocab_size": cfg.vocab_size, "draft_vocab_size": int(keep.numel()),
-              "target_hidden_size": cfg.target_hidden_size, "norm_before_residual": cfg.norm_before_residual,
-              "norm_before_fc": cfg.norm_before_fc, "fc_norm": cfg.fc_norm}
-    if cfg.aux_layer_ids:
-        config["eagle_aux_hidden_state_layer_ids"] = cfg.aux_layer_ids
+    config = eagle_config_json(ckpt.config, int(keep.numel()))
     with atomic_folder(Path(out), overwrite=True) as tmp:
         torch.save({k: v.contiguous().clone() for k, v in tensors.items()}, tmp / "pytorch_model.bin")
         write_json(tmp / "config.json", config)
