@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slimspec.errors import SlimSpecError
+from slimspec.errors import SlimSpecError, first_line
 
 JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "init", "distill_steps", "data",
             "num_prompts", "responses", "max_new_tokens", "overwrite", "push_to", "eval_prompts", "revision"}
@@ -51,7 +51,7 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
         else:
             data = json.loads(text)
     except Exception as exc:  # yaml or json syntax: one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise SlimSpecError(f"{path}: cannot parse manifest ({first})") from None
     if isinstance(data, list):
         data = {"jobs": data}
@@ -147,7 +147,7 @@ def run_batch(manifest: Path, *, continue_on_error: bool = False, report_path: P
                 except SlimSpecError as exc:
                     result = JobResult(job=job["name"], status="failed", error=str(exc))
                 except Exception as exc:  # a job must never take the batch down with a traceback
-                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    first = first_line(exc, default="")
                     result = JobResult(job=job["name"], status="failed", error=f"{type(exc).__name__}: {first}")
                 result.seconds = round(time.perf_counter() - start, 3)
             results.append(result)

@@ -1,6 +1,12 @@
 """User-facing errors: the CLI prints their message on one line and exits with code 2."""
 
 
+def first_line(exc: BaseException, default: str | None = None) -> str:
+    """The first line of an exception's message (for one-line errors); ``default`` or its type name if empty."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else (type(exc).__name__ if default is None else default)
+
+
 class SlimSpecError(Exception):
     """An error caused by the user's input (bad files, bad options); never a bug in slimspec."""
 

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from slimspec.errors import CheckpointError
+from slimspec.errors import CheckpointError, first_line
 
 Role = Literal["drafter", "target", "model"]  # "model": a target that will run (all its weights)
 
@@ -30,7 +30,7 @@ def _snapshot(repo_id: str, patterns: list[str], revision: str | None) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, revision=revision))
     except Exception as exc:  # network, auth, missing repo: all one line for the user
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise CheckpointError(f"cannot download {repo_id!r} from the Hub: {first}") from None
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slimspec.errors import SlimSpecError
+from slimspec.errors import SlimSpecError, first_line
 
 HUB_TAGS = ("speculative-decoding", "eagle3", "slimspec")
 
@@ -117,7 +117,7 @@ def push(
     except SlimSpecError:
         raise
     except Exception as exc:  # auth, network, permissions: one line, never the token
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise SlimSpecError(f"push to {repo_id} failed: {first}") from None
     plan.url = str(url)
     plan.files["README.md"] = len(card.encode())

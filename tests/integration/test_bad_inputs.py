@@ -38,7 +38,10 @@ def test_missing_folder(tmp_path, pair):
 
 
 def test_unreachable_hub_id(tmp_path, pair, monkeypatch):
+    import huggingface_hub.constants as c
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)  # the library reads the variable once, at import
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     result = _run(["someone/not-here-eagle3", "-t", pair[1]], tmp_path)
     _assert_clean_failure(result, tmp_path, "cannot download 'someone/not-here-eagle3'")

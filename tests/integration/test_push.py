@@ -73,6 +73,7 @@ def hub(monkeypatch):
     import huggingface_hub.constants as c
 
     monkeypatch.setattr(c, "ENDPOINT", endpoint)
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", False)  # read once at import: another test may have set it
     monkeypatch.setattr(c, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     yield FakeHub.calls
     server.shutdown()

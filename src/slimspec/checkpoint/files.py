@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from slimspec.errors import CheckpointError
+from slimspec.errors import CheckpointError, first_line
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -76,7 +76,7 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise CheckpointError(f"{path}: cannot be loaded safely ({first})") from None
     if isinstance(data, dict) and "state_dict" in data and isinstance(data["state_dict"], dict):
         data = data["state_dict"]

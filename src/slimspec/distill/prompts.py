@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slimspec.errors import SlimSpecError
+from slimspec.errors import SlimSpecError, first_line
 
 TEXT_FIELDS = ("turns", "messages", "conversations", "prompt", "instruction", "question", "text")
 
@@ -110,7 +110,7 @@ def _load_dataset(name: str, split: str) -> list[dict[str, Any]]:
 
         return list(datasets.load_dataset(name, split=split))
     except Exception as exc:  # network or unknown dataset: one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise SlimSpecError(f"cannot load dataset {name!r}: {first}") from None
 
 

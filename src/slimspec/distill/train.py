@@ -286,8 +286,7 @@ def distill_drafter(
                                 + (f" (last good checkpoint: {last})" if last else " (no checkpoint saved yet)"))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         optimizer.step()
-        tokens = int(global_weight.numel() and hidden.shape[0] * world)
-        tokens_seen += tokens
+        tokens_seen += hidden.shape[0] * world
         rate = tokens_seen / max(time.perf_counter() - started, 1e-9)
         history.append({"step": step + 1, "loss": loss_value, "kl0": kl0, "grad_norm": grad_norm,
                         "lr": optimizer.param_groups[0]["lr"]})
