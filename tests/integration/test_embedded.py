@@ -38,8 +38,19 @@ def test_names() -> None:
     with pytest.raises(ValueError, match="embedded:smollm2-135m, embedded:smollm2-135m-eagle3") as info:
         resolve_embedded("embedded:nope")
     assert "\n" not in str(info.value)
-    with pytest.raises(FileNotFoundError, match="not built yet"):
+
+
+def test_reference_drafter_resolves_to_the_packaged_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches the drafter name pointing anywhere but the package data, and an unclear error when it is missing."""
+    import slimspec
+
+    folder = resolve_embedded(EMBEDDED_DRAFTER)
+    assert folder == Path(slimspec.__file__).parent / "data" / "smollm2-135m-eagle3"
+    assert (folder / "config.json").is_file() and (folder / "pytorch_model.bin").is_file()
+    monkeypatch.setattr("slimspec.embedded.REFERENCE_DRAFTER_DIR", "not-there")
+    with pytest.raises(FileNotFoundError, match="missing from this install") as info:
         resolve_embedded(EMBEDDED_DRAFTER)
+    assert "\n" not in str(info.value)
 
 
 def test_pip_failure_is_one_line_runtime_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

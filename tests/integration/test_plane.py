@@ -33,7 +33,13 @@ def test_plane_and_rank_auto_on_tiny_target(tiny_target, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     kinds = [p["kind"] for p in report["points"]]
-    assert kinds == ["full", "slimspec", "slimspec", "vocabtrim", "frspec"]
+    assert kinds == ["full"] + ["slimspec"] * 4 + ["vocabtrim", "frspec"]
+    names = [p["name"] for p in report["points"]]
+    assert names[1:5] == ["SlimSpec r=d/4", "SlimSpec r=d/8", "SlimSpec r=d/4 (draft vocab)",
+                          "SlimSpec r=d/8 (draft vocab)"]
+    nu = {p["name"]: p["nu"] for p in report["points"]}
+    # the draft-vocab pair has 2048 rows instead of the stitched 49152: cheaper at the same rank
+    assert nu["SlimSpec r=d/8 (draft vocab)"] < nu["SlimSpec r=d/8"]
     assert (tmp_path / "plane" / "plane.png").stat().st_size > 5000
     assert all(p["tau"] >= 1.0 for p in report["points"])
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tiny_target), "--rank", "auto",

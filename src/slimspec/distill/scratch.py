@@ -88,6 +88,7 @@ def train_from_scratch(
     data_options: DataOptions | None = None,
     config: DistillConfig | None = None,
     overwrite: bool = False,
+    resume: bool = False,
     progress: bool = True,
 ) -> tuple[Path, DistillResult]:
     """Train an EAGLE-3 drafter for ``target`` and write it in the EAGLE layout (``pytorch_model.bin``)."""
@@ -110,7 +111,7 @@ def train_from_scratch(
     drafter = init_drafter(dcfg, parts, draft_ids, rank, cfg.seed)
     teacher_head = parts.head[draft_ids] if draft_vocab != parts.head.shape[0] else parts.head
     result = distill_drafter(drafter, teacher, teacher_head, cfg, checkpoint_dir=out.parent / f"{out.name}.checkpoints",
-                             progress=progress)
+                             resume=resume, progress=progress)
     write_eagle_layout(drafter, dcfg, draft_ids, out, result, target, settings, overwrite)
     return out, result
 

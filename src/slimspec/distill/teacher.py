@@ -189,7 +189,8 @@ def _generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSett
 @torch.no_grad()
 def _features(model, ids: list[int], aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Aux hidden states [T, n*Ht] and final normed hidden state [T, Ht] from one target forward."""
-    output = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    # The base model only: the LM head's [T, V] logits are not needed (and cost ~20 % of the forward).
+    output = model.base_model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
     states = output.hidden_states
     aux = torch.cat([states[i][0] for i in aux_layers], dim=-1)
     return aux, states[-1][0]

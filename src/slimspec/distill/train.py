@@ -164,8 +164,9 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
             per_step.append(0.0)
             total = total + 0.0 * (up.sum() + down.sum())  # keep every rank's graph the same shape
             continue
-        th = teacher.final[teacher_index[:, i]].float()
-        kl = full_vocab_kl(hidden[:, i], down, up, th, teacher_head, weights=w)
+        keep = w > 0  # zero-weight rows (prompt positions) add nothing: skip their head and teacher matmuls
+        th = teacher.final[teacher_index[keep, i]].float()
+        kl = full_vocab_kl(hidden[keep, i], down, up, th, teacher_head, weights=w[keep])
         share = kl * (local / denominator)
         per_step.append(float(share.detach()))
         total = total + (decay ** i) * share

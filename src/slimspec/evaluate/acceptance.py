@@ -38,20 +38,28 @@ def _stats_dict(stats: DecodeStats, num_prompts: int) -> dict[str, Any]:
             "new_tokens": stats.new_tokens, "seconds": stats.seconds}
 
 
+def target_of(drafter: str, ckpt) -> str:
+    """The target a drafter names (our slimspec.json metadata or its config), or the embedded target for
+    embedded drafters; SlimSpecError if none."""
+    from slimspec import embedded
+
+    target = (ckpt.raw_config.get("slimspec") or {}).get("target") or ckpt.config.target_model
+    if target is None and embedded.is_embedded(drafter):
+        target = embedded.EMBEDDED_TARGET
+    if target is None:
+        raise SlimSpecError("--target is needed (the drafter names no target)")
+    return target
+
+
 def load_for_eval(drafter: str, target: str | None):
     """(drafter model, aux layers, target parts) for a drafter id/folder."""
-    from slimspec import embedded
     from slimspec.checkpoint import load_drafter
     from slimspec.distill.pipeline import drafter_model, load_target_parts
     from slimspec.distill.teacher import aux_layers_for
     from slimspec.hub import resolve_model
 
     ckpt = load_drafter(resolve_model(drafter, "drafter"))
-    target = target or (ckpt.raw_config.get("slimspec") or {}).get("target") or ckpt.config.target_model
-    if target is None and embedded.is_embedded(drafter):
-        target = embedded.EMBEDDED_TARGET
-    if target is None:
-        raise SlimSpecError("--target is needed (the drafter names no target)")
+    target = target or target_of(drafter, ckpt)
     parts = load_target_parts(target)
     layers = aux_layers_for(ckpt.config.aux_layer_ids, ckpt.layout, parts.num_layers)
     return drafter_model(ckpt, parts), layers, parts, target

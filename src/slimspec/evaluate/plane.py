@@ -38,6 +38,7 @@ def build_plane(
     out_dir: Path,
     *,
     ranks: tuple[str, ...] = ("d/4", "d/8", "d/16"),
+    vocabs: tuple[str, ...] = ("full",),
     trim_sizes: tuple[int, ...] = (1024, 4096),
     distill_steps: int = 60,
     num_prompts: int = 8,
@@ -46,6 +47,9 @@ def build_plane(
     progress: bool = True,
 ) -> list[PlanePoint]:
     """Measure every point of the plane, side by side in one run.
+
+    SlimSpec points: each rank in ``ranks`` for each head vocabulary in ``vocabs`` (``full``: the stitched
+    whole target vocabulary; ``draft``: the drafter's own draft vocabulary, skipped if it has none).
 
     ``calibration_prompts`` shipped prompts (answers regenerated, 64 tokens) serve both the distillation of
     each rank and the VocabTrim token counts (the target's own generations)."""
@@ -72,14 +76,18 @@ def build_plane(
 
     base_tau = tau_of(str(source))
     points = [PlanePoint("full head", "full", 1.0, base_tau, 1.0, vd * d, str(source))]
-    for rank in ranks:
-        res = convert(str(source), target, rank, out=out_dir / f"slimspec-{rank.replace('/', '_')}", overwrite=True,
-                      distill_steps=distill_steps, data_options=options, progress=progress)
-        r = res.rank
-        nu = head_latency(res.report["head_vocab"], d, r, source_vocab=vd)["nu"]
-        tau = tau_of(str(res.out))
-        points.append(PlanePoint(f"SlimSpec r={rank}", "slimspec", nu, tau, tau / base_tau,
-                                 res.report["head_params"], str(res.out)))
+    vocabs = tuple(v for v in vocabs if v == "full" or vd < ckpt.config.vocab_size)
+    for vocab in vocabs:
+        for rank in ranks:
+            res = convert(str(source), target, rank, vocab=vocab, overwrite=True, distill_steps=distill_steps,
+                          out=out_dir / f"slimspec-{vocab}-{rank.replace('/', '_')}", data_options=options,
+                          progress=progress)
+            r = res.rank
+            nu = head_latency(res.report["head_vocab"], d, r, source_vocab=vd)["nu"]
+            tau = tau_of(str(res.out))
+            label = f"SlimSpec r={rank}" + (" (draft vocab)" if vocab == "draft" and len(vocabs) > 1 else "")
+            points.append(PlanePoint(label, "slimspec", nu, tau, tau / base_tau, res.report["head_params"],
+                                     str(res.out)))
     teacher, _ = scratch_teacher(parts, options, progress)
     vocab = ckpt.config.vocab_size
     generations = token_counts(teacher.input_ids[teacher.loss_mask], vocab)
