@@ -4,6 +4,7 @@
     python scripts/build_reference_drafter.py --stage train     # train from scratch (EAGLE layout)
     python scripts/build_reference_drafter.py --stage eval      # tau on mt_bench (reference decoder and vLLM)
     python scripts/build_reference_drafter.py --stage publish   # model card; copy into src/slimspec/data/
+    python scripts/build_reference_drafter.py --stage curve     # tau of the saved training checkpoints
 
 Prompts: a fixed mix from ../shared/data/train (never eval/): chat 64 %, code 22 %, math 14 %.
 """
@@ -45,7 +46,7 @@ def main() -> int:
     from slimspec.distill.train import DistillConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=["teacher", "train", "eval", "publish"], required=True)
+    parser.add_argument("--stage", choices=["teacher", "train", "eval", "publish", "curve"], required=True)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -71,9 +72,44 @@ def main() -> int:
         report = evaluate(str(args.out), target, engine="vllm", **EVAL)
         (args.out / "eval.json").write_text(json.dumps({"settings": EVAL, **report}, indent=1) + "\n")
         print(json.dumps(report))
+    elif args.stage == "curve":
+        print(json.dumps(tau_curve(args.out, PACKAGED / "tau_curve.json")))
     else:
         publish(args.out)
     return 0
+
+
+def tau_curve(folder: Path, path: Path, num_prompts: int = 8) -> list[dict]:
+    """Greedy tau (K=4, mt_bench, 128 new tokens) of every 200th-step training checkpoint: how tau grew."""
+    import torch
+
+    from slimspec.distill.teacher import _chat_ids, load_target_model
+    from slimspec.evaluate.acceptance import eval_prompts, load_for_eval
+    from slimspec.evaluate.spec_decode import DecodeStats, SpeculativeDecoder
+
+    drafter, layers, parts, _ = load_for_eval(str(folder), "embedded:smollm2-135m")
+    target, tokenizer = load_target_model(parts.path)
+    prompts = [_chat_ids(tokenizer, p)[0] for p in eval_prompts("mt_bench", num_prompts)]
+    params = list(drafter.parameters())
+    rows = []
+    for ckpt in sorted((folder.parent / f"{folder.name}.checkpoints").glob("step-*.pt")):
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+        if state["step"] % 200:
+            continue
+        with torch.no_grad():
+            for p, saved in zip(params, state["params"], strict=True):  # training order of the same class
+                assert p.shape == saved.shape, (p.shape, saved.shape)
+                p.copy_(saved.to(p.dtype))
+        decoder = SpeculativeDecoder(target, drafter, layers, draft_tokens=4, eos_token_id=tokenizer.eos_token_id)
+        stats = DecodeStats(accepted_per_position=[0] * 4)
+        for ids in prompts:
+            stats.add(decoder.generate(ids, 128)[1])
+        positions = state["step"] * state["config"]["batch_tokens"]
+        rows.append({"step": state["step"], "positions_seen": positions, "tau": stats.tau,
+                     "acceptance_per_position": stats.acceptance_per_position})
+        print(json.dumps(rows[-1]), flush=True)
+    path.write_text(json.dumps({"num_prompts": num_prompts, "rows": rows}, indent=1) + "\n")
+    return rows
 
 
 def publish(folder: Path) -> None:
