@@ -111,7 +111,7 @@ def run_job(job: dict[str, Any]) -> JobResult:
                               max_new_tokens=int(job.get("max_new_tokens", 128)))
         result = convert(str(job["drafter"]), job.get("target"), job.get("rank", "d/8"), vocab=job.get("vocab", "full"),
                          out=out, dtype=job.get("dtype"), overwrite=True, revision=job.get("revision"),
-                         progress=False, stitch=job.get("stitch", "target"), init=job.get("init", "svd"),
+                         progress=False, stitch=job.get("stitch", "target"), init=job.get("init", "auto"),
                          distill_steps=int(job.get("distill_steps", 0)), data_options=options,
                          extra_report={"batch_job": fingerprint})
         report, status = result.report, "done"

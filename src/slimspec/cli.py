@@ -100,9 +100,10 @@ def _data_and_config(kw: dict, steps: int):
 @click.option("--stitch", type=click.Choice(["target", "zero", "scaled"]), default="target", show_default=True,
               help="--vocab full: rows outside the draft vocab from the target's head, zeros, or the target's rows "
                    "rescaled to the drafter's row norm.")
-@click.option("--init", type=click.Choice(["svd", "whitened"]), default="svd", show_default=True,
+@click.option("--init", type=click.Choice(["auto", "svd", "whitened"]), default="auto", show_default=True,
               help="svd: optimal for ||W - W_up W_down||; whitened: optimal for ||(W - W_up W_down) X|| over the "
-                   "drafter's real activations X (needs the target and calibration data).")
+                   "drafter's real activations X (needs the target and calibration data); auto: whitened when "
+                   "--distill-steps > 0 (half the starting KL on the reference drafter), else svd.")
 @click.option("--distill-steps", type=int, default=0, show_default=True,
               help="Then distil the pair for N steps against the target under full-vocabulary KL.")
 @data_options

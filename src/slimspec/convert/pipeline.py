@@ -133,7 +133,7 @@ def convert(
     progress: bool = True,
     verify_samples: int = 16,
     stitch: str = "target",
-    init: str = "svd",
+    init: str = "auto",
     distill_steps: int = 0,
     data: str | list[str] | None = None,
     data_options: Any = None,
@@ -144,7 +144,8 @@ def convert(
 
     ``stitch`` (``--vocab full``): rows outside the draft vocab from the target's head (``target``),
     zeros (``zero``), or the target's rows rescaled to the drafter's mean row norm (``scaled``).
-    ``init``: ``svd`` (Eckart-Young on the head) or ``whitened`` (activation-aware, from calibration data).
+    ``init``: ``svd`` (Eckart-Young on the head), ``whitened`` (activation-aware, from calibration data), or
+    ``auto`` (default): whitened when distilling (it starts at about half the KL, BENCHMARKS.md), else svd.
     ``distill_steps`` > 0 then distils the pair against the target under full-vocabulary KL
     (``data``/``data_options``/``distill_config`` as for :func:`slimspec.distill`).
     Returns the output folder, the resolved rank and the report also written to ``slimspec.json``.
@@ -204,6 +205,8 @@ def convert(
     if vocab == "draft" and weight.shape[0] != cfg.vocab_size:
         d2t_out = (ckpt.draft_to_target_ids() - torch.arange(weight.shape[0])).long()
     distill_report = None
+    if init == "auto":
+        init = "whitened" if distill_steps > 0 else "svd"
     if init != "svd" or distill_steps > 0:
         from slimspec.distill.pipeline import DataOptions, init_and_distill, load_target_parts
         from slimspec.distill.train import DistillConfig
