@@ -60,8 +60,9 @@ def main() -> int:
         ("predicted rho_TPS", "1", f"{rho_tps:.3f}"),
     ]
     if "distill" in r:
-        rows.append(("step-0 KL (held out)", "", f"SVD {r['distill']['kl_before']:.3f} -> distilled "
-                                                  f"{r['distill']['kl_after']:.3f} ({args.distill_steps} steps)"))
+        kl = r["distill"]
+        rows.append(("step-0 KL (held out)", "", f"{r['init']} start {kl['kl_before']:.3f} -> distilled "
+                                                  f"{kl['kl_after']:.3f} ({args.distill_steps} steps)"))
     print(f"\nSlimSpec demo — target {target}, drafter: {note}")
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
