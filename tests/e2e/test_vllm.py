@@ -4,9 +4,8 @@ Each check starts a fresh engine in a subprocess of the vLLM venv, from a neutra
 in float32 (greedy outputs with and without speculation are then bit-identical). Drafters:
 ``SLIMSPEC_TEST_DRAFTER`` (an EAGLE-3 drafter folder for SmolLM2-135M-Instruct; optionally
 ``SLIMSPEC_TEST_CONVERTED``, its SlimSpec conversion, e.g. distilled), else the embedded reference drafter
-once it exists, else the untrained stand-in (acceptance ~0: tau is printed, its ratio only checked when
-the original's tau > 1.2). A tiny target whose greedy output is constant gives every draft accepted, so
-the acceptance path and vLLM's tau counters are exercised whatever drafter is available.
+converted with the demo's brief distillation. A tiny target whose greedy output is constant gives every
+draft accepted, so the acceptance path and vLLM's tau counters are exercised whatever drafter is available.
 """
 
 from __future__ import annotations
@@ -135,20 +134,29 @@ def test_without_plugin_vllm_refuses_the_checkpoint(target, drafters):
     assert "Eagle3SlimSpecLlamaForCausalLM" in report["error"] and "not supported" in report["error"]
 
 
+def _tiny_target_kwargs():
+    """The SmolLM2 tokenizer and the config fields every tiny vLLM target here shares (seed fixed)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded.embedded_target_path(progress=False))
+    torch.manual_seed(0)
+    return tokenizer, dict(vocab_size=len(tokenizer), num_hidden_layers=8, head_dim=32,
+                           max_position_embeddings=2048, tie_word_embeddings=True,
+                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)
+
+
 def _constant_target(folder: Path) -> torch.Tensor:
     """A tiny Llama whose greedy output is always CONSTANT_TOKEN; returns its (tied) head.
 
     Layers add nothing (o_proj, down_proj zero), so the last hidden state is the token's embedding; the
     final norm keeps dimension 0 only, where every embedding is positive and CONSTANT_TOKEN's is largest.
     """
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded.embedded_target_path(progress=False))
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    tokenizer, common = _tiny_target_kwargs()
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+                         **common)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -254,16 +262,13 @@ def test_checkpoint_missing_a_factor_is_refused(constant_pair, tmp_path):
 
 def test_qwen3_drafter_class(tmp_path):
     """A converted Qwen3 (speculators layout) drafter is served by our Qwen3 subclass with its own head."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from tests.layouts import Spec, write_drafter
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded.embedded_target_path(progress=False))
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    tokenizer, common = _tiny_target_kwargs()
+    config = Qwen3Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         **common)
     target = tmp_path / "qwen3-target"
     Qwen3ForCausalLM(config).save_pretrained(target)
     tokenizer.save_pretrained(target)
