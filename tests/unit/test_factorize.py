@@ -119,3 +119,20 @@ def test_whitened_minimises_activation_error():
     assert abs(float(ours - best)) <= 1e-6 * float(best)
     up2, down2 = factorize(w, 6)
     assert float(torch.linalg.norm((w - up2 @ down2) @ x)) > float(ours) * 1.01
+
+
+def test_activation_covariance_chunked_matches_float64():
+    """Catches the chunked accumulation of the whitening covariance dropping or double-counting rows at chunk
+    edges, or letting zero-weight (prompt) rows in."""
+    from types import SimpleNamespace
+
+    from slimspec.distill.pipeline import activation_covariance
+
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(23, 3, 5, generator=g)
+    weight = (torch.rand(23, 3, generator=g) > 0.3).float() * torch.rand(23, 3, generator=g)
+    h, w = hidden.reshape(-1, 5).double(), weight.reshape(-1).double()
+    expected = (h * w[:, None]).T @ h
+    got = activation_covariance(SimpleNamespace(hidden=hidden, weight=weight), chunk=7)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

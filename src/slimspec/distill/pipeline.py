@@ -194,11 +194,20 @@ def lowrank_checkpoint(ckpt: DrafterCheckpoint, w_up: torch.Tensor, w_down: torc
     return replace(ckpt, tensors=tensors, config=replace(ckpt.config, draft_vocab_size=int(w_up.shape[0])))
 
 
-def activation_covariance(features) -> torch.Tensor:
-    """``sum_t w_t h_t h_t^T`` over every TTT step's normed drafter outputs (the head's real inputs)."""
-    h = features.hidden.reshape(-1, features.hidden.shape[-1]).double()
-    w = features.weight.reshape(-1).double()
-    return (h * w[:, None]).T @ h
+def activation_covariance(features, chunk: int = 65536) -> torch.Tensor:
+    """``sum_t w_t h_t h_t^T`` (float64) over every TTT step's normed drafter outputs (the head's real inputs).
+
+    Accumulated ``chunk`` rows at a time: a float64 copy of all features at once would need twice their size
+    again (it ran a 24 GiB machine out of memory at 600k calibration tokens).
+    """
+    h = features.hidden.reshape(-1, features.hidden.shape[-1])
+    w = features.weight.reshape(-1)
+    cov = torch.zeros(h.shape[1], h.shape[1], dtype=torch.float64)
+    for a in range(0, h.shape[0], chunk):
+        keep = w[a:a + chunk] > 0
+        x = h[a:a + chunk][keep].double()
+        cov += (x * w[a:a + chunk][keep].double()[:, None]).T @ x
+    return cov
 
 
 def init_and_distill(
