@@ -53,6 +53,29 @@ def test_alignment_indices(tiny_target, tmp_path):
             assert float(weight[t, i]) == float(seq["loss_mask"][t + 1 + i])
 
 
+def test_features_hold_answer_positions_only(tiny_converted, tiny_target, tmp_path):
+    """Catches batches drawn from prompt positions (zero loss weight at every TTT step): they shrank the real
+    batch by more than half on the calibration prompts."""
+    from slimspec.checkpoint.drafter import load_drafter
+    from slimspec.distill.pipeline import drafter_model, load_target_parts
+    from slimspec.distill.train import student_features, student_outputs
+
+    prompts = [Prompt("a", "Say hi."), Prompt("b", "Count to three, slowly please.")]
+    data = build_teacher_data(tiny_target, prompts, TeacherSettings(max_new_tokens=6, aux_layers=(1, 2, 3)),
+                              cache_root=tmp_path, progress=False)
+    drafter = drafter_model(load_drafter(tiny_converted), load_target_parts(str(tiny_target)))
+    features = student_features(drafter, data, [0, 1], 3)
+    expected = []
+    for i in (0, 1):
+        hidden, teacher_index, weight = student_outputs(drafter, data, i, 3)
+        keep = weight.sum(1) > 0
+        assert 0 < int(keep.sum()) < keep.numel()  # the prompt rows exist and are dropped
+        expected.append((hidden[keep], teacher_index[keep]))
+    assert bool((features.weight.sum(1) > 0).all())
+    assert torch.equal(features.teacher_index, torch.cat([e[1] for e in expected]))
+    torch.testing.assert_close(features.hidden, torch.cat([e[0] for e in expected]).float())
+
+
 def test_convert_with_whitened_init_and_distill(tiny_converted, tiny_target, tmp_path):
     """Catches a loop that does not reduce the held-out KL, and a missing side-by-side init report."""
     res = slimspec.convert(str(tmp_path / "drafter"), str(tiny_target), 8, out=tmp_path / "o", init="whitened",

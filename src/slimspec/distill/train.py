@@ -106,16 +106,20 @@ def student_outputs(drafter: Eagle3Drafter, teacher: TeacherData, index: int, st
 @torch.no_grad()
 def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list[int], steps: int,
                      progress: bool = False) -> StudentFeatures:
-    """Frozen-backbone features of the given sequences, concatenated."""
+    """Frozen-backbone features of the given sequences' answer positions (rows with some loss weight)."""
     from tqdm.auto import tqdm
 
     parts = []
     for i in tqdm(indices, desc="[slimspec] drafter features", disable=not progress, leave=False):
         out = student_outputs(drafter, teacher, i, steps)
         if out is not None:
-            parts.append(out)
+            hidden, teacher_index, weight = out
+            keep = weight.sum(1) > 0  # prompt positions teach nothing: batches are drawn from answers only
+            if bool(keep.any()):
+                parts.append((hidden[keep], teacher_index[keep], weight[keep]))
     if not parts:
-        raise SlimSpecError(f"no teacher sequence is longer than {steps} tokens")
+        raise SlimSpecError(f"no teacher sequence has answer tokens to learn from (each needs more than {steps} "
+                            "tokens, some of them answer tokens)")
     return StudentFeatures(hidden=torch.cat([p[0] for p in parts]).float(),
                            teacher_index=torch.cat([p[1] for p in parts]),
                            weight=torch.cat([p[2] for p in parts]))
