@@ -177,12 +177,13 @@ TARGET = "embedded:smollm2-135m"
 
 
 def bench_plane() -> list[str]:
-    """Issues 4 and 5: the acceptance-cost plane of the reference drafter (SlimSpec d/4, d/8, d/16 over the full
+    """Issues 4 and 5: the acceptance-cost plane of the reference drafter (SlimSpec d/2..d/16 over the full
     and the draft vocabulary, each briefly distilled; VocabTrim and FR-Spec trims)."""
     from slimspec.evaluate.plane import build_plane, plane_report
 
     out = ROOT / "out" / "bench-plane"
-    points = build_plane(REFERENCE, TARGET, out, vocabs=("full", "draft"), trim_sizes=(1024, 4096),
+    points = build_plane(REFERENCE, TARGET, out, ranks=("d/2", "d/4", "d/8", "d/16"), vocabs=("full", "draft"),
+                         trim_sizes=(1024, 4096),
                          distill_steps=60, num_prompts=8, max_new_tokens=96, progress=False)
     report = plane_report(points, (0.25, 0.5, 1.0), out, f"{REFERENCE} on {TARGET}")
     return [
