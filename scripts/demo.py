@@ -73,7 +73,8 @@ def main() -> int:
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
     print("[demo] acceptance-cost plane: trimming baselines at the same settings ...", file=sys.stderr)
     points = build_plane(drafter, target, OUT / "plane", ranks=(), trim_sizes=(4096,),
-                         num_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens, progress=False)
+                         num_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens,
+                         base_tau=ev["baseline"]["tau"], progress=False)
     points.insert(1, PlanePoint("SlimSpec r=d/8 (above)", "slimspec", lat["nu"], ev["tau"], ev["rho_tau"],
                                 r["head_params"], str(result.out)))
     kappas = tuple(sorted({round(kappa, 3), 0.25, 1.0}))  # the measured one and two heavier heads

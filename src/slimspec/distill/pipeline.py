@@ -204,9 +204,8 @@ def activation_covariance(features, chunk: int = 65536) -> torch.Tensor:
     w = features.weight.reshape(-1)
     cov = torch.zeros(h.shape[1], h.shape[1], dtype=torch.float64)
     for a in range(0, h.shape[0], chunk):
-        keep = w[a:a + chunk] > 0
-        x = h[a:a + chunk][keep].double()
-        cov += (x * w[a:a + chunk][keep].double()[:, None]).T @ x
+        x = h[a:a + chunk].double()
+        cov += (x * w[a:a + chunk].double()[:, None]).T @ x
     return cov
 
 

@@ -44,6 +44,7 @@ def build_plane(
     num_prompts: int = 8,
     max_new_tokens: int = 96,
     calibration_prompts: int | None = 64,
+    base_tau: float | None = None,
     progress: bool = True,
 ) -> list[PlanePoint]:
     """Measure every point of the plane, side by side in one run.
@@ -52,7 +53,8 @@ def build_plane(
     whole target vocabulary; ``draft``: the drafter's own draft vocabulary, skipped if it has none).
 
     ``calibration_prompts`` shipped prompts (answers regenerated, 64 tokens) serve both the distillation of
-    each rank and the VocabTrim token counts (the target's own generations)."""
+    each rank and the VocabTrim token counts (the target's own generations). ``base_tau``: the original
+    drafter's tau at the same settings, when the caller has measured it already."""
     from slimspec.checkpoint import load_drafter
     from slimspec.convert.pipeline import convert
     from slimspec.distill.pipeline import DataOptions, load_target_parts
@@ -74,7 +76,8 @@ def build_plane(
         return evaluate(folder, target, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                         progress=progress)["tau"]
 
-    base_tau = tau_of(str(source))
+    if base_tau is None:
+        base_tau = tau_of(str(source))
     points = [PlanePoint("full head", "full", 1.0, base_tau, 1.0, vd * d, str(source))]
     vocabs = tuple(v for v in vocabs if v == "full" or vd < ckpt.config.vocab_size)
     for vocab in vocabs:
