@@ -57,6 +57,11 @@ def data_options(func):
         click.option("--aux-convention", type=click.Choice(["input", "output"]),
                      help="How --aux-layers / the config count: index of the layer a state enters (vLLM) or leaves "
                           "(SpecForge/ModelOpt). Default: by the drafter's layout."),
+        click.option("--teacher", type=click.Choice(["target", "drafter"]), default="target", show_default=True,
+                     help="What the head is distilled against. target: the target's next-token distribution "
+                          "(full-vocabulary KL; learns beyond the source drafter, needs data). drafter: the source "
+                          "drafter's own full-rank head on the same states (recovers the original's acceptance "
+                          "from little data; every position counts)."),
         click.option("--ttt-steps", type=int, default=3, show_default=True, help="Training-time-test unroll."),
         click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak AdamW learning rate."),
         click.option("--batch-tokens", type=int, default=2048, show_default=True, help="Drafter positions per step."),
@@ -76,7 +81,7 @@ def _data_and_config(kw: dict, steps: int):
                           responses=kw.pop("responses"), max_new_tokens=kw.pop("max_new_tokens"),
                           temperature=kw.pop("temperature"), aux_layers=aux, aux_convention=kw.pop("aux_convention"))
     cfg = DistillConfig(steps=steps, ttt_steps=kw.pop("ttt_steps"), lr=kw.pop("lr"),
-                        batch_tokens=kw.pop("batch_tokens"), seed=kw.pop("seed"))
+                        batch_tokens=kw.pop("batch_tokens"), seed=kw.pop("seed"), teacher=kw.pop("teacher"))
     return options, cfg
 
 

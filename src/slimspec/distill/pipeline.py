@@ -97,6 +97,40 @@ def teacher_head_for(drafter: Eagle3Drafter, target: TargetParts) -> torch.Tenso
     return target.head[drafter.draft_to_target(torch.arange(rows))]
 
 
+SELF_TEACHER_MASK = -1.0e4
+"""Bias of tokens the source drafter cannot propose, in the drafter teacher's logits (exp() of it is 0)."""
+
+
+def self_teacher_head(ckpt: DrafterCheckpoint, target: TargetParts, rows: int) -> torch.Tensor:
+    """The source drafter's head over a student vocabulary of ``rows`` tokens, as ``[rows, d + 1]``.
+
+    The last column is a bias, multiplied by the constant 1 that ``train.teacher_hidden`` appends to the
+    student's state: 0 for tokens of the source's draft vocabulary, ``SELF_TEACHER_MASK`` for the others (a
+    full-vocabulary student of a trimmed drafter learns to keep the source's support). A drafter without a head
+    of its own uses the target's rows, as it does when it drafts.
+    """
+    own = ckpt.head_weight()
+    ids = ckpt.draft_to_target_ids()
+    head = (own if own is not None else target.head[ids] if ids.numel() < target.head.shape[0] else target.head).float()
+    if rows == head.shape[0]:
+        return torch.cat([head, head.new_zeros(rows, 1)], dim=1)
+    if rows != target.head.shape[0] or ids.numel() != head.shape[0]:
+        raise SlimSpecError(f"no drafter teacher for a {rows}-token head (source head has {head.shape[0]} rows)")
+    out = head.new_zeros(rows, head.shape[1] + 1)
+    out[:, -1] = SELF_TEACHER_MASK
+    out[ids, :-1] = head
+    out[ids, -1] = 0.0
+    return out
+
+
+def distill_teacher_head(ckpt: DrafterCheckpoint, drafter: Eagle3Drafter, target: TargetParts, kind: str
+                         ) -> torch.Tensor:
+    """The head ``distill_drafter`` needs for teacher ``kind`` (``target`` or ``drafter``)."""
+    if kind == "drafter":
+        return self_teacher_head(ckpt, target, drafter.lm_head.weight_up.shape[0])
+    return teacher_head_for(drafter, target)
+
+
 def distill(
     checkpoint: str | Path,
     target: str | None = None,
@@ -142,8 +176,15 @@ def distill(
         teacher = teacher_for(ckpt, parts, options, False)
     drafter = drafter_model(ckpt, parts)
     checkpoints = out.parent / f"{out.name}.checkpoints"
-    result = distill_drafter(drafter, teacher, teacher_head_for(drafter, parts), cfg, checkpoint_dir=checkpoints,
-                             resume=resume, progress=progress)
+    teacher_ckpt = ckpt
+    if cfg.teacher == "drafter":  # the teacher is the drafter the conversion started from
+        origin = (ckpt.raw_config.get("slimspec") or {}).get("source_drafter")
+        if not ckpt.is_lowrank or not origin:
+            raise SlimSpecError("--teacher drafter distils a SlimSpec conversion against the drafter it came from; "
+                                f"{checkpoint} names no source drafter (use --teacher target)")
+        teacher_ckpt = load_drafter(resolve_model(str(origin), "drafter"))
+    result = distill_drafter(drafter, teacher, distill_teacher_head(teacher_ckpt, drafter, parts, cfg.teacher), cfg,
+                             checkpoint_dir=checkpoints, resume=resume, progress=progress)
     if rank == 0:
         write_distilled(source, ckpt, drafter, out, result, options, str(target), overwrite=True)
         shutil.rmtree(checkpoints, ignore_errors=True)
@@ -232,7 +273,7 @@ def init_and_distill(
 
     teacher = teacher_for(ckpt, target, options, progress)
     drafter = drafter_model(lowrank_checkpoint(ckpt, w_up.float(), w_down.float(), d2t), target)
-    teacher_head = teacher_head_for(drafter, target)
+    teacher_head = distill_teacher_head(ckpt, drafter, target, cfg.teacher)
     train_idx, eval_idx = split_sequences(teacher, cfg.eval_every_nth)
     eval_features = student_features(drafter, teacher, eval_idx, cfg.ttt_steps)
     report: dict[str, Any] = {"teacher": {"sequences": len(teacher), "tokens": teacher.num_tokens,
@@ -244,7 +285,7 @@ def init_and_distill(
     report["init_kl"] = {}
     for name, (up, down) in starts.items():
         drafter.lm_head = LowRankHead(up.clone(), down.clone())
-        loss, per_step = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay)
+        loss, per_step = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=cfg.teacher)
         report["init_kl"][name] = {"step0_kl": per_step[0], "ttt_loss": loss, "per_step": per_step}
     if init not in starts:
         raise SlimSpecError(f"--init must be 'svd' or 'whitened', got {init!r}")

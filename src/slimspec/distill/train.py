@@ -7,6 +7,10 @@ computed once (:func:`student_features`) and each step only runs the head and th
 Alignment (DESIGN.md section 4): TTT step i at drafter position t predicts x_{t+2+i}; its teacher is the
 target's distribution at position t+1+i, i.e. ``final[t+1+i] @ target_head^T``, weighted by the loss mask
 there (response tokens) and by ``decay**i``.
+
+With ``teacher="drafter"`` the teacher is instead the source drafter's full-rank head applied to the student's
+own normed state at the same step (self-distillation of the factorised head): no next-token alignment, so every
+position counts, prompt positions included.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ from slimspec.distill.teacher import TeacherData
 from slimspec.errors import SlimSpecError
 from slimspec.model import Eagle3Drafter
 
+TEACHERS = ("target", "drafter")
+"""What the head is distilled against: the target's next-token distribution (learns from the target, needs data),
+or the source drafter's own full-rank head on the same states (recovers the original with little data)."""
+
 
 @dataclass
 class DistillConfig:
@@ -42,6 +50,7 @@ class DistillConfig:
     save_every: int = 0
     seed: int = 0
     eval_every_nth: int = 10  # every n-th teacher sequence is held out for the KL before/after
+    teacher: str = "target"  # "target": the target's distribution; "drafter": the source drafter's own head
 
 
 @dataclass
@@ -105,8 +114,12 @@ def student_outputs(drafter: Eagle3Drafter, teacher: TeacherData, index: int, st
 
 @torch.no_grad()
 def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list[int], steps: int,
-                     progress: bool = False) -> StudentFeatures:
-    """Frozen-backbone features of the given sequences' answer positions (rows with some loss weight)."""
+                     progress: bool = False, all_positions: bool = False) -> StudentFeatures:
+    """Frozen-backbone features of the given sequences' answer positions (rows with some loss weight).
+
+    ``all_positions``: every position, each with weight 1 (prompt positions too). Only for the ``drafter``
+    teacher, whose targets are the source head's outputs on these very states, not the next tokens.
+    """
     from tqdm.auto import tqdm
 
     parts = []
@@ -114,6 +127,8 @@ def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list
         out = student_outputs(drafter, teacher, i, steps)
         if out is not None:
             hidden, teacher_index, weight = out
+            if all_positions:
+                weight = torch.ones_like(weight)
             keep = weight.sum(1) > 0  # prompt positions teach nothing: batches are drawn from answers only
             if bool(keep.any()):
                 parts.append((hidden[keep], teacher_index[keep], weight[keep]))
@@ -147,12 +162,22 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def teacher_hidden(hidden: torch.Tensor, teacher_index: torch.Tensor, teacher: TeacherData, kind: str
+                   ) -> torch.Tensor:
+    """Rows the teacher head multiplies: the target's final states, or (``drafter``) the student's own [h, 1]."""
+    if kind == "drafter":
+        return torch.cat([hidden.detach().float(), hidden.new_ones(hidden.shape[0], 1, dtype=torch.float32)], 1)
+    return teacher.final[teacher_index].float()
+
+
 def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.Tensor, weight: torch.Tensor,
-             teacher: TeacherData, teacher_head: torch.Tensor, decay: float, global_weight: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, list[float]]:
+             teacher: TeacherData, teacher_head: torch.Tensor, decay: float, global_weight: torch.Tensor | None = None,
+             kind: str = "target") -> tuple[torch.Tensor, list[float]]:
     """Loss = sum_i decay^i * KL_i (KL_i the weighted mean over tokens) and the per-step KLs.
 
     ``global_weight`` [k] (the weight sums over all ranks) makes the per-rank losses add up to the global one.
+    ``kind``: ``target`` (``teacher_head`` [V, Ht] on the target's states) or ``drafter`` (``teacher_head``
+    [V, d + 1], the source head with a bias column, on the student's own states: see ``self_teacher_head``).
     """
     down, up = head_factors(drafter)
     total = hidden.new_zeros(())
@@ -169,7 +194,7 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
             total = total + 0.0 * (up.sum() + down.sum())  # keep every rank's graph the same shape
             continue
         keep = w > 0  # zero-weight rows (prompt positions) add nothing: skip their head and teacher matmuls
-        th = teacher.final[teacher_index[keep, i]].float()
+        th = teacher_hidden(hidden[keep, i], teacher_index[keep, i], teacher, kind)
         kl = full_vocab_kl(hidden[keep, i], down, up, th, teacher_head, weights=w[keep])
         share = kl * (local / denominator)
         per_step.append(float(share.detach()))
@@ -179,7 +204,8 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
 
 @torch.no_grad()
 def evaluate_kl(drafter: Eagle3Drafter, features: StudentFeatures, teacher: TeacherData,
-                teacher_head: torch.Tensor, decay: float, batch: int = 4096) -> tuple[float, list[float]]:
+                teacher_head: torch.Tensor, decay: float, batch: int = 4096, kind: str = "target"
+                ) -> tuple[float, list[float]]:
     """Weighted-mean KL per TTT step over ``features`` and the decayed sum (the training loss)."""
     k = features.hidden.shape[1]
     sums, weights = [0.0] * k, [0.0] * k
@@ -189,8 +215,9 @@ def evaluate_kl(drafter: Eagle3Drafter, features: StudentFeatures, teacher: Teac
             w = features.weight[a:a + batch, i]
             if float(w.sum()) <= 0:
                 continue
-            th = teacher.final[features.teacher_index[a:a + batch, i]].float()
-            kl = full_vocab_kl(features.hidden[a:a + batch, i], down.detach(), up.detach(), th, teacher_head,
+            h = features.hidden[a:a + batch, i]
+            th = teacher_hidden(h, features.teacher_index[a:a + batch, i], teacher, kind)
+            kl = full_vocab_kl(h, down.detach(), up.detach(), th, teacher_head,
                                weights=w)
             sums[i] += float(kl) * float(w.sum())
             weights[i] += float(w.sum())
@@ -242,11 +269,17 @@ def distill_drafter(
     torch.manual_seed(cfg.seed)
     teacher_head = teacher_head.float()
     k = cfg.ttt_steps
+    kind = cfg.teacher
+    if kind not in TEACHERS:
+        raise SlimSpecError(f"teacher must be one of {', '.join(TEACHERS)}, got {kind!r}")
+    if kind == "drafter" and cfg.train_backbone:
+        raise SlimSpecError("the drafter teacher scores the student's own states: it cannot train the backbone")
     train_idx, eval_idx = split_sequences(teacher, cfg.eval_every_nth)
     drafter.requires_grad_(False)
     eval_features = student_features(drafter, teacher, eval_idx, k)
-    kl_before, kl_before_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay)
-    train_features = None if cfg.train_backbone else student_features(drafter, teacher, train_idx, k, progress)
+    kl_before, kl_before_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=kind)
+    train_features = None if cfg.train_backbone else student_features(drafter, teacher, train_idx, k, progress,
+                                                                       all_positions=kind == "drafter")
     params = trainable_parameters(drafter, cfg.train_backbone)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -278,7 +311,7 @@ def distill_drafter(
             group["lr"] = _lr_at(step, cfg)
         optimizer.zero_grad(set_to_none=True)
         loss, per_step = kl_terms(drafter, hidden, teacher_index, weight, teacher, teacher_head, cfg.decay,
-                                  global_weight)
+                                  global_weight, kind=kind)
         loss.backward()
         for p in params:
             if p.grad is not None:
@@ -304,7 +337,7 @@ def distill_drafter(
     drafter.requires_grad_(False)
     if cfg.train_backbone:
         eval_features = student_features(drafter, teacher, eval_idx, k)
-    kl_after, kl_after_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay)
+    kl_after, kl_after_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=kind)
     return DistillResult(steps=cfg.steps, kl_before=kl_before_steps[0], kl_after=kl_after_steps[0],
                          kl_before_per_step=kl_before_steps, kl_after_per_step=kl_after_steps, history=history,
                          tokens_per_second=tokens_seen / max(seconds, 1e-9), seconds=seconds, config=asdict(cfg))
