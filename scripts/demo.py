@@ -22,7 +22,7 @@ OUT = Path("out/demo")
 def main() -> int:
     from slimspec import embedded
     from slimspec.convert.pipeline import convert
-    from slimspec.distill.pipeline import BRIEF_DISTILL_STEPS, brief_distillation
+    from slimspec.distill.pipeline import BRIEF_DISTILL_STEPS, BRIEF_VOCAB, brief_distillation
     from slimspec.distill.teacher import load_target_model
     from slimspec.evaluate.acceptance import evaluate, load_for_eval
     from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
@@ -39,8 +39,10 @@ def main() -> int:
     drafter, note = embedded.EMBEDDED_DRAFTER, "reference EAGLE-3 drafter (trained for SmolLM2-135M-Instruct)"
     print(f"[demo] drafter: {note}", file=sys.stderr)
     options, config = brief_distillation(args.distill_steps)
-    result = convert(drafter, target, "d/8", out=OUT / "smollm2-135m-eagle3-slimspec-r72", overwrite=True,
-                     distill_steps=args.distill_steps, data_options=options, distill_config=config)
+    print(f"[demo] = slimspec convert {drafter} --rank d/8 --vocab {BRIEF_VOCAB} --distill-steps {config.steps} "
+          f"--teacher {config.teacher} --lr {config.lr:g} --num-prompts 64 --max-new-tokens 64", file=sys.stderr)
+    result = convert(drafter, target, "d/8", vocab=BRIEF_VOCAB, out=OUT / "smollm2-135m-eagle3-slimspec-r72",
+                     overwrite=True, distill_steps=args.distill_steps, data_options=options, distill_config=config)
     r = result.report
     print("[demo] measuring tau (reference speculative decoding, K=4, greedy) ...", file=sys.stderr)
     ev = evaluate(str(result.out), target, dataset="mt_bench", num_prompts=args.eval_prompts,
@@ -65,8 +67,8 @@ def main() -> int:
     ]
     if "distill" in r:
         kl = r["distill"]
-        rows.append(("step-0 KL (held out)", "", f"{r['init']} start {kl['kl_before']:.3f} -> distilled "
-                                                  f"{kl['kl_after']:.3f} ({args.distill_steps} steps)"))
+        kl_text = f"{r['init']} start {kl['kl_before']:.3f} -> distilled {kl['kl_after']:.3f} ({kl['steps']} steps)"
+        rows.append((f"held-out KL to the {config.teacher}", "", kl_text))
     print(f"\nSlimSpec demo — target {target}, drafter: {note}")
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:

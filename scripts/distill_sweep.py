@@ -12,6 +12,7 @@ The proxy tracks real decoding: 40 demo steps give rho_proxy 0.84 where 16-promp
 
     python scripts/distill_sweep.py --data demo --steps 40
     python scripts/distill_sweep.py --data reference:1000 --steps 300 --lr 5e-3 --vocab draft
+    python scripts/distill_sweep.py --data demo --steps 200 --lr 5e-3 --vocab draft --teacher drafter
 
 ``--data``: ``demo`` (64 shipped calibration prompts, 64-token answers), ``calibration`` (all 300),
 ``reference[:N]`` (the first N sequences of the reference drafter's own teacher data: 3231 train/ prompts
@@ -92,11 +93,11 @@ def main() -> int:
     from slimspec.distill.pipeline import (
         DataOptions,
         activation_covariance,
+        distill_teacher_head,
         drafter_model,
         load_target_parts,
         lowrank_checkpoint,
         teacher_for,
-        teacher_head_for,
     )
     from slimspec.distill.train import DistillConfig, distill_drafter, split_sequences, student_features
     from slimspec.model import LowRankHead
@@ -110,6 +111,7 @@ def main() -> int:
     parser.add_argument("--vocab", choices=["full", "draft"], default="full")
     parser.add_argument("--init", choices=["svd", "whitened"], default="whitened")
     parser.add_argument("--train-backbone", action="store_true")
+    parser.add_argument("--teacher", choices=["target", "drafter"], default="target")
     parser.add_argument("--log", type=Path, default=ROOT / "out" / "distill_sweep.jsonl")
     args = parser.parse_args()
 
@@ -125,7 +127,7 @@ def main() -> int:
     d2t = (ckpt.draft_to_target_ids() - torch.arange(weight.shape[0])).long() if args.vocab == "draft" else None
     drafter = drafter_model(lowrank_checkpoint(ckpt, up.float(), down.float(), d2t), parts)
     cfg = DistillConfig(steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens, warmup_steps=5,
-                        train_backbone=args.train_backbone)
+                        train_backbone=args.train_backbone, teacher=args.teacher)
     if args.init == "whitened":
         train_idx, _ = split_sequences(train, cfg.eval_every_nth)
         cov = activation_covariance(student_features(drafter, train, train_idx, cfg.ttt_steps))
@@ -134,7 +136,8 @@ def main() -> int:
     start = chain_agreement(drafter, measured_on, parts.head)
     print("start", json.dumps(start), flush=True)
     began = time.perf_counter()
-    result = distill_drafter(drafter, train, teacher_head_for(drafter, parts), cfg, progress=True)
+    result = distill_drafter(drafter, train, distill_teacher_head(ckpt, drafter, parts, args.teacher), cfg,
+                             progress=True)
     after = chain_agreement(drafter, measured_on, parts.head)
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "answer_tokens": int(train.loss_mask.sum()),
               "original": original, "start": start, "after": after,

@@ -3,9 +3,9 @@
 Each check starts a fresh engine in a subprocess of the vLLM venv, from a neutral working directory,
 in float32 (greedy outputs with and without speculation are then bit-identical). Drafters:
 ``SLIMSPEC_TEST_DRAFTER`` (an EAGLE-3 drafter folder for SmolLM2-135M-Instruct; optionally
-``SLIMSPEC_TEST_CONVERTED``, its SlimSpec conversion, e.g. distilled), else the embedded reference drafter
-converted with the demo's brief distillation. A tiny target whose greedy output is constant gives every
-draft accepted, so the acceptance path and vLLM's tau counters are exercised whatever drafter is available.
+``SLIMSPEC_TEST_CONVERTED``, its SlimSpec conversion with a draft vocabulary, e.g. distilled), else the embedded
+reference drafter converted with the demo's brief distillation. A tiny target whose greedy output is constant gives
+every draft accepted, so the acceptance path and vLLM's tau counters are exercised whatever drafter is available.
 """
 
 from __future__ import annotations
@@ -74,17 +74,17 @@ def target() -> Path:
 
 @pytest.fixture(scope="module")
 def drafters(target, tmp_path_factory) -> dict[str, Path]:
-    """The original drafter and its SlimSpec conversions (full vocab d/8; draft vocab with d2t)."""
+    """The original drafter and its SlimSpec conversions at d/8: draft vocab with d2t and the demo's brief
+    distillation; full vocab, SVD only (served-head checks)."""
     tmp = tmp_path_factory.mktemp("vllm-drafters")
     original = os.environ.get("SLIMSPEC_TEST_DRAFTER")
     if original is None:
         original = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)
-    options, config = brief_distillation()
-    full = os.environ.get("SLIMSPEC_TEST_CONVERTED") or slimspec.convert(
-        str(original), embedded.EMBEDDED_TARGET, "d/8", out=tmp / "full", progress=False,
+    options, config = brief_distillation()  # the demo's: draft vocab, distilled against the source drafter
+    draft = os.environ.get("SLIMSPEC_TEST_CONVERTED") or slimspec.convert(
+        str(original), embedded.EMBEDDED_TARGET, "d/8", vocab="draft", out=tmp / "draft", progress=False,
         distill_steps=config.steps, data_options=options, distill_config=config).out
-    draft = slimspec.convert(str(original), embedded.EMBEDDED_TARGET, "d/8", vocab="draft", out=tmp / "draft",
-                             progress=False).out
+    full = slimspec.convert(str(original), embedded.EMBEDDED_TARGET, "d/8", out=tmp / "full", progress=False).out
     return {"original": Path(original), "full": Path(full), "draft": Path(draft)}
 
 
@@ -98,7 +98,7 @@ def baseline(target) -> dict:
 
 def test_converted_drafter_is_lossless_and_keeps_tau(target, drafters, baseline):
     """Catches a wrong or random served head, and a converted head that loses acceptance."""
-    converted = _check(target, drafter=drafters["full"], args=["--check-head"])
+    converted = _check(target, drafter=drafters["draft"], args=["--check-head", "--local-argmax"])
     original = _check(target, drafter=drafters["original"], args=["--check-head"])
     for report in (converted, original):
         assert report["ok"], report
@@ -106,7 +106,7 @@ def test_converted_drafter_is_lossless_and_keeps_tau(target, drafters, baseline)
         assert report["spec_decode"]["num_drafts"] > 0
         _head_ok(report)
     assert converted["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
-    assert converted["head_shape"][1] == json.loads((drafters["full"] / "config.json").read_text())["slimspec"]["rank"]
+    assert converted["head_shape"][1] == json.loads((drafters["draft"] / "config.json").read_text())["slimspec"]["rank"]
     assert original["draft_model_class"] == "Eagle3LlamaForCausalLM"
     print(f"\n[vllm] tau converted {converted['tau']:.3f} vs original {original['tau']:.3f} "
           f"(ratio {converted['tau'] / original['tau']:.3f}); tokens/s {converted['tokens_per_second']:.1f} vs "
@@ -117,12 +117,13 @@ def test_converted_drafter_is_lossless_and_keeps_tau(target, drafters, baseline)
     assert converted["tau"] >= TAU_FLOOR * original["tau"]
 
 
-def test_draft_vocab_conversion_runs_with_d2t(target, drafters, baseline):
-    """``--vocab draft`` keeps d2t: the served head must map draft ids to target ids (logits and greedy hook)."""
-    report = _check(target, drafter=drafters["draft"], args=["--check-head", "--local-argmax"])
+def test_full_vocab_conversion_is_served(target, drafters, baseline):
+    """``--vocab full`` (one head row per target token, no d2t): the served head computes the checkpoint's logits
+    over the whole vocabulary and speculation keeps the greedy output."""
+    report = _check(target, drafter=drafters["full"], args=["--check-head"])
     assert report["ok"], report
     assert report["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
-    assert report["head_shape"][0] < 49152  # the trimmed draft vocabulary
+    assert report["head_shape"][0] == 49152
     assert report["outputs"] == baseline["outputs"]
     _head_ok(report)
 
