@@ -30,7 +30,7 @@ DRAFT_TOKENS = 3
 MAX_NEW_TOKENS = 64
 NUM_PROMPTS = 8
 TAU_RATIO = 0.97  # the goal (not reached yet, see below)
-TAU_FLOOR = 0.78
+TAU_FLOOR = 0.90
 CONSTANT_TOKEN = 1000  # the tiny constant target's only output
 
 
@@ -112,8 +112,9 @@ def test_converted_drafter_is_lossless_and_keeps_tau(target, drafters, baseline)
           f"(ratio {converted['tau'] / original['tau']:.3f}); tokens/s {converted['tokens_per_second']:.1f} vs "
           f"{original['tokens_per_second']:.1f}, no speculation {baseline['tokens_per_second']:.1f}")
     assert original["tau"] > 1.3  # a trained drafter: the ratio below means something
-    # Issue 6's goal is TAU_RATIO (0.97); the demo's brief distillation reaches 0.86 (BENCHMARKS.md, 16 prompts),
-    # so this holds the floor that separates a working conversion from a broken one (SVD-only ~0.74).
+    # Issue 6's goal is TAU_RATIO (0.97). The demo's brief distillation (draft vocab, drafter teacher) measured
+    # 0.939 here (8 prompts x 64 tokens); the floor catches a regression towards the target-teacher recipe
+    # (0.86 in BENCHMARKS.md) or SVD only (~0.74).
     assert converted["tau"] >= TAU_FLOOR * original["tau"]
 
 
