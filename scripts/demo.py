@@ -40,7 +40,7 @@ def main() -> int:
     print(f"[demo] drafter: {note}", file=sys.stderr)
     options, config = brief_distillation(args.distill_steps)
     print(f"[demo] = slimspec convert {drafter} --rank d/8 --vocab {BRIEF_VOCAB} --distill-steps {config.steps} "
-          f"--teacher {config.teacher} --lr {config.lr:g} --max-new-tokens 64", file=sys.stderr)
+          f"--teacher {config.teacher} --lr {config.lr:g} --max-new-tokens {options.max_new_tokens}", file=sys.stderr)
     result = convert(drafter, target, "d/8", vocab=BRIEF_VOCAB, out=OUT / "smollm2-135m-eagle3-slimspec-r72",
                      overwrite=True, distill_steps=args.distill_steps, data_options=options, distill_config=config)
     r = result.report

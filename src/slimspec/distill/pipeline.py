@@ -120,7 +120,7 @@ def self_teacher_head(ckpt: DrafterCheckpoint, target: TargetParts, rows: int) -
     """
     own = ckpt.head_weight()
     ids = ckpt.draft_to_target_ids()
-    head = (own if own is not None else target.head[ids] if ids.numel() < target.head.shape[0] else target.head).float()
+    head = (own if own is not None else target.head[ids]).float()
     if rows == head.shape[0]:
         return torch.cat([head, head.new_zeros(rows, 1)], dim=1)
     if rows != target.head.shape[0] or ids.numel() != head.shape[0]:
