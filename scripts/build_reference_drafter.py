@@ -53,6 +53,10 @@ def main() -> int:
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--resume", action="store_true", help="train: continue from the last checkpoint")
     parser.add_argument("--out", type=Path, default=WORK / "smollm2-135m-eagle3")
+    parser.add_argument("--every-nth", type=int, default=1,
+                        help="train: every n-th teacher sequence only (data-scaling point: 1/n of the data)")
+    parser.add_argument("--curve-out", type=Path, default=None,
+                        help="curve: where to write the curve (default: the packaged tau_curve.json)")
     args = parser.parse_args()
     prompts = compose_prompts(WORK / "prompts.jsonl")
     options = DataOptions(data=str(prompts), responses="regenerate", max_new_tokens=128, max_length=768)
@@ -64,7 +68,8 @@ def main() -> int:
         cfg = DistillConfig(steps=args.steps, lr=args.lr, warmup_steps=max(10, args.steps // 30),
                             batch_tokens=args.batch_tokens, ttt_steps=3, save_every=50, eval_every_nth=50)
         out, result = train_from_scratch(target, args.out, draft_vocab=args.draft_vocab, data_options=options,
-                                         config=cfg, overwrite=True, resume=args.resume)
+                                         config=cfg, overwrite=True, resume=args.resume,
+                                         every_nth_sequence=args.every_nth)
         print(json.dumps({"out": str(out), **result.summary()}))
     elif args.stage == "eval":
         from slimspec.evaluate.acceptance import evaluate
@@ -73,7 +78,7 @@ def main() -> int:
         (args.out / "eval.json").write_text(json.dumps({"settings": EVAL, **report}, indent=1) + "\n")
         print(json.dumps(report))
     elif args.stage == "curve":
-        print(json.dumps(tau_curve(args.out, PACKAGED / "tau_curve.json")))
+        print(json.dumps(tau_curve(args.out, args.curve_out or PACKAGED / "tau_curve.json")))
     else:
         publish(args.out)
     return 0

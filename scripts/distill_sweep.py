@@ -53,6 +53,27 @@ def chain_agreement(drafter, teacher, target_head: torch.Tensor, steps: int = 3)
             "tau_proxy": round(1 + float(chain.sum(1).mean()), 4), "positions": int(keep.sum())}
 
 
+def agreement_by_confidence(student, source, teacher, step: int = 0,
+                            edges=(0.0, 0.2, 0.4, 0.6, 0.8, 1.01)) -> list[dict]:
+    """How often the student's top-1 equals the source drafter's, by the source's top-1 probability."""
+    from slimspec.distill.train import student_features
+
+    feats = student_features(source, teacher, list(range(len(teacher))), step + 1)
+    keep = feats.weight.min(dim=1).values > 0
+    with torch.no_grad():
+        h_src = feats.hidden[keep, step]
+        probs = torch.softmax(source.lm_head(h_src).float(), -1)
+        top_p, top = probs.max(-1)
+        h_student = student_features(student, teacher, list(range(len(teacher))), step + 1).hidden[keep, step]
+        same = (student.lm_head(h_student).argmax(-1) == top).float()
+    rows = []
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        sel = (top_p >= lo) & (top_p < hi)
+        rows.append({"p_top": f"{lo:.1f}-{min(hi, 1.0):.1f}", "share": round(float(sel.float().mean()), 4),
+                     "student_agrees": round(float(same[sel].mean()), 4) if bool(sel.any()) else None})
+    return rows
+
+
 def first_sequences(teacher, n: int):
     """The first ``n`` sequences of a teacher set as a teacher set of their own."""
     from slimspec.distill.teacher import TeacherData
@@ -112,6 +133,8 @@ def main() -> int:
     parser.add_argument("--init", choices=["svd", "whitened"], default="whitened")
     parser.add_argument("--train-backbone", action="store_true")
     parser.add_argument("--teacher", choices=["target", "drafter"], default="target")
+    parser.add_argument("--miss-weight", type=float, default=1.0,
+                        help="drafter teacher: loss weight of rows where the source's top-1 is not the target's")
     parser.add_argument("--log", type=Path, default=ROOT / "out" / "distill_sweep.jsonl")
     args = parser.parse_args()
 
@@ -136,14 +159,37 @@ def main() -> int:
     start = chain_agreement(drafter, measured_on, parts.head)
     print("start", json.dumps(start), flush=True)
     began = time.perf_counter()
+    if args.miss_weight != 1.0:
+        import slimspec.distill.train as train_module
+
+        plain = train_module.student_features
+        source_head = distill_teacher_head(ckpt, drafter, parts, "drafter")
+
+        def focused(drafter_, teacher_, indices, steps, progress=False, all_positions=False):
+            feats = plain(drafter_, teacher_, indices, steps, progress, all_positions)
+            if all_positions:
+                with torch.no_grad():
+                    h = feats.hidden
+                    src = torch.cat([h, h.new_ones(*h.shape[:2], 1)], -1) @ source_head.T
+                    src = drafter_.draft_to_target(src.argmax(-1))
+                    want = torch.cat([(teacher_.final[feats.teacher_index[a:a + 4096]].float() @ parts.head.T)
+                                      .argmax(-1) for a in range(0, h.shape[0], 4096)])
+                    hit = src == want
+                    feats.weight = torch.where(hit, 1.0, args.miss_weight).float()
+                    print("hit rate per step", hit.float().mean(0).tolist(), flush=True)
+            return feats
+
+        train_module.student_features = focused
     result = distill_drafter(drafter, train, distill_teacher_head(ckpt, drafter, parts, args.teacher), cfg,
                              progress=True)
     after = chain_agreement(drafter, measured_on, parts.head)
+    by_confidence = agreement_by_confidence(drafter, drafter_model(ckpt, parts), measured_on)
+    print("student top-1 == source top-1, by the source's top-1 probability:", json.dumps(by_confidence))
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "answer_tokens": int(train.loss_mask.sum()),
               "original": original, "start": start, "after": after,
               "held_out_kl": [round(result.kl_before, 4), round(result.kl_after, 4)],
               "seconds": round(time.perf_counter() - began, 1),
-              "rho_proxy": round(after["tau_proxy"] / original["tau_proxy"], 4)}
+              "rho_proxy": round(after["tau_proxy"] / original["tau_proxy"], 4), "by_confidence": by_confidence}
     print("after", json.dumps(record), flush=True)
     args.log.parent.mkdir(parents=True, exist_ok=True)
     with args.log.open("a") as f:

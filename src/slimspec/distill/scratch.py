@@ -90,8 +90,13 @@ def train_from_scratch(
     overwrite: bool = False,
     resume: bool = False,
     progress: bool = True,
+    every_nth_sequence: int = 1,
 ) -> tuple[Path, DistillResult]:
-    """Train an EAGLE-3 drafter for ``target`` and write it in the EAGLE layout (``pytorch_model.bin``)."""
+    """Train an EAGLE-3 drafter for ``target`` and write it in the EAGLE layout (``pytorch_model.bin``).
+
+    ``every_nth_sequence`` > 1 trains on every n-th teacher sequence only (data-scaling curves: same prompt mix,
+    1/n of the data).
+    """
     out = Path(out)
     check_output_free(out, overwrite)
     options = data_options or DataOptions()
@@ -101,6 +106,8 @@ def train_from_scratch(
     if not 0 < draft_vocab <= parts.head.shape[0]:
         raise SlimSpecError(f"--draft-vocab must be in 1..{parts.head.shape[0]}, got {draft_vocab}")
     teacher, settings = scratch_teacher(parts, options, progress)
+    if every_nth_sequence > 1:
+        teacher = teacher.subset(list(range(0, len(teacher), every_nth_sequence)))
     draft_ids = frequent_response_tokens(teacher, draft_vocab)
     if draft_ids.numel() < draft_vocab:  # fewer distinct tokens than asked: fill with the lowest unused ids
         unused = torch.ones(parts.head.shape[0], dtype=torch.bool)

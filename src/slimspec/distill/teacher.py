@@ -89,6 +89,16 @@ class TeacherData:
     def __len__(self) -> int:
         return int(self.starts.numel() - 1)
 
+    def subset(self, indices: list[int]) -> TeacherData:
+        """The given sequences (in that order) as a teacher set of their own (for data-scaling runs)."""
+        spans = [(int(self.starts[i]), int(self.starts[i + 1])) for i in indices]
+        lengths = torch.tensor([b - a for a, b in spans], dtype=torch.long)
+        pick = {k: torch.cat([getattr(self, k)[a:b] for a, b in spans]) for k in ("input_ids", "loss_mask", "aux",
+                                                                                  "final")}
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        return TeacherData(starts=starts, manifest={**self.manifest, "subset_of": len(self)}, folder=self.folder,
+                           **pick)
+
     def sequence(self, i: int) -> dict[str, torch.Tensor]:
         a, b = int(self.starts[i]), int(self.starts[i + 1])
         return {"input_ids": self.input_ids[a:b], "loss_mask": self.loss_mask[a:b], "aux": self.aux[a:b],
