@@ -5,6 +5,7 @@
     python scripts/build_reference_drafter.py --stage eval      # tau on mt_bench (reference decoder and vLLM)
     python scripts/build_reference_drafter.py --stage publish   # model card; copy into src/slimspec/data/
     python scripts/build_reference_drafter.py --stage curve     # tau of the saved training checkpoints
+    python scripts/build_reference_drafter.py --stage confidence  # first-token acceptance by target confidence
 
 Prompts: a fixed mix from ../shared/data/train (never eval/): chat 64 %, code 22 %, math 14 %.
 """
@@ -46,7 +47,8 @@ def main() -> int:
     from slimspec.distill.train import DistillConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=["teacher", "train", "eval", "publish", "curve"], required=True)
+    parser.add_argument("--stage", required=True,
+                        choices=["teacher", "train", "eval", "publish", "curve", "confidence"])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -77,11 +79,44 @@ def main() -> int:
         report = evaluate(str(args.out), target, engine="vllm", **EVAL)
         (args.out / "eval.json").write_text(json.dumps({"settings": EVAL, **report}, indent=1) + "\n")
         print(json.dumps(report))
+    elif args.stage == "confidence":
+        print(json.dumps(acceptance_by_target_confidence(args.out if args.out.exists() else PACKAGED)))
     elif args.stage == "curve":
         print(json.dumps(tau_curve(args.out, args.curve_out or PACKAGED / "tau_curve.json")))
     else:
         publish(args.out)
     return 0
+
+
+def acceptance_by_target_confidence(folder: Path) -> dict:
+    """Teacher-forced first-draft-token acceptance on mt_bench answers, bucketed by the target's top-1 probability.
+
+    Tells whether the target (an unsure target is hard to draft for) or the drafter limits tau.
+    """
+    import torch
+
+    from slimspec.checkpoint.drafter import load_drafter
+    from slimspec.distill.pipeline import DataOptions, drafter_model, load_target_parts, teacher_for
+    from slimspec.distill.train import student_features
+
+    ckpt = load_drafter(folder)
+    parts = load_target_parts("embedded:smollm2-135m")
+    prompts = ROOT.parent / "shared" / "data" / "eval" / "mt_bench.jsonl"
+    teacher = teacher_for(ckpt, parts, DataOptions(data=str(prompts), max_new_tokens=128), True)
+    drafter = drafter_model(ckpt, parts)
+    feats = student_features(drafter, teacher, list(range(len(teacher))), 1)
+    keep = feats.weight[:, 0] > 0
+    with torch.no_grad():
+        probs = torch.softmax(teacher.final[feats.teacher_index[keep, 0]].float() @ parts.head.T, -1)
+        top_p, wanted = probs.max(-1)
+        drafted = drafter.draft_to_target(drafter.lm_head(feats.hidden[keep, 0]).argmax(-1))
+    hit = (drafted == wanted).float()
+    rows = []
+    for lo, hi in ((0.0, 0.2), (0.2, 0.4), (0.4, 0.6), (0.6, 0.8), (0.8, 1.01)):
+        sel = (top_p >= lo) & (top_p < hi)
+        rows.append({"target_top1": f"{lo:.1f}-{min(hi, 1.0):.1f}", "share": round(float(sel.float().mean()), 4),
+                     "acceptance_1": round(float(hit[sel].mean()), 4) if bool(sel.any()) else None})
+    return {"positions": int(keep.sum()), "acceptance_1": round(float(hit.mean()), 4), "by_target_top1": rows}
 
 
 def tau_curve(folder: Path, path: Path, num_prompts: int = 8) -> list[dict]:
