@@ -111,12 +111,18 @@ def acceptance_by_target_confidence(folder: Path) -> dict:
         top_p, wanted = probs.max(-1)
         drafted = drafter.draft_to_target(drafter.lm_head(feats.hidden[keep, 0]).argmax(-1))
     hit = (drafted == wanted).float()
-    rows = []
-    for lo, hi in ((0.0, 0.2), (0.2, 0.4), (0.4, 0.6), (0.6, 0.8), (0.8, 1.01)):
-        sel = (top_p >= lo) & (top_p < hi)
-        rows.append({"target_top1": f"{lo:.1f}-{min(hi, 1.0):.1f}", "share": round(float(sel.float().mean()), 4),
-                     "acceptance_1": round(float(hit[sel].mean()), 4) if bool(sel.any()) else None})
+    rows = rate_by_probability(top_p, hit, ("target_top1", "acceptance_1"))
     return {"positions": int(keep.sum()), "acceptance_1": round(float(hit.mean()), 4), "by_target_top1": rows}
+
+
+def rate_by_probability(top_p, hit, names: tuple[str, str], edges=(0.0, 0.2, 0.4, 0.6, 0.8, 1.01)) -> list[dict]:
+    """Mean of ``hit`` [N] per bucket of ``top_p`` [N], with each bucket's share: rows keyed by ``names``."""
+    rows = []
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        sel = (top_p >= lo) & (top_p < hi)
+        rows.append({names[0]: f"{lo:.1f}-{min(hi, 1.0):.1f}", "share": round(float(sel.float().mean()), 4),
+                     names[1]: round(float(hit[sel].mean()), 4) if bool(sel.any()) else None})
+    return rows
 
 
 def tau_curve(folder: Path, path: Path, num_prompts: int = 8) -> list[dict]:

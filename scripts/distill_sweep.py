@@ -66,22 +66,10 @@ def agreement_by_confidence(student, source, teacher, step: int = 0,
         top_p, top = probs.max(-1)
         h_student = student_features(student, teacher, list(range(len(teacher))), step + 1).hidden[keep, step]
         same = (student.lm_head(h_student).argmax(-1) == top).float()
-    rows = []
-    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
-        sel = (top_p >= lo) & (top_p < hi)
-        rows.append({"p_top": f"{lo:.1f}-{min(hi, 1.0):.1f}", "share": round(float(sel.float().mean()), 4),
-                     "student_agrees": round(float(same[sel].mean()), 4) if bool(sel.any()) else None})
-    return rows
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from build_reference_drafter import rate_by_probability
 
-
-def first_sequences(teacher, n: int):
-    """The first ``n`` sequences of a teacher set as a teacher set of their own."""
-    from slimspec.distill.teacher import TeacherData
-
-    end = int(teacher.starts[n])
-    return TeacherData(input_ids=teacher.input_ids[:end], loss_mask=teacher.loss_mask[:end],
-                       aux=teacher.aux[:end], final=teacher.final[:end], starts=teacher.starts[:n + 1],
-                       manifest=teacher.manifest, folder=teacher.folder)
+    return rate_by_probability(top_p, same, ("p_top", "student_agrees"), edges)
 
 
 def training_data(spec: str, ckpt, parts):
@@ -101,7 +89,7 @@ def training_data(spec: str, ckpt, parts):
                               max_length=768)
         teacher, _ = scratch_teacher(parts, options, True)
         n = int(spec.split(":")[1]) if ":" in spec else len(teacher)
-        return first_sequences(teacher, min(n, len(teacher)))
+        return teacher.subset(list(range(min(n, len(teacher)))))
     raise SystemExit(f"--data: expected demo, calibration or reference[:N], got {spec!r}")
 
 
