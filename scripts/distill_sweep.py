@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-EVAL_PROMPTS = ROOT.parent / "shared" / "data" / "eval" / "mt_bench.jsonl"
+EVAL_DIR = ROOT.parent / "shared" / "data" / "eval"
+EVAL_PROMPTS = EVAL_DIR / "mt_bench.jsonl"
 
 
 def chain_agreement(drafter, teacher, target_head: torch.Tensor, steps: int = 3) -> dict:
@@ -120,17 +121,25 @@ def main() -> int:
     parser.add_argument("--vocab", choices=["full", "draft"], default="full")
     parser.add_argument("--init", choices=["svd", "whitened"], default="whitened")
     parser.add_argument("--train-backbone", action="store_true")
+    parser.add_argument("--backbone-lr", type=float, default=None, help="peak lr of the backbone (default: --lr)")
     parser.add_argument("--teacher", choices=["target", "drafter"], default="target")
     parser.add_argument("--miss-weight", type=float, default=1.0,
                         help="drafter teacher: loss weight of rows where the source's top-1 is not the target's")
+    parser.add_argument("--measure-on", default="mt_bench",
+                        help="comma-separated eval sets of ../shared/data/eval to measure on (first: the headline)")
     parser.add_argument("--log", type=Path, default=ROOT / "out" / "distill_sweep.jsonl")
     args = parser.parse_args()
 
     ckpt = load_drafter(embedded.reference_drafter_path())
     parts = load_target_parts(embedded.EMBEDDED_TARGET)
-    measured_on = teacher_for(ckpt, parts, DataOptions(data=str(EVAL_PROMPTS), max_new_tokens=128), True)
-    original = chain_agreement(drafter_model(ckpt, parts), measured_on, parts.head)
-    print("original", json.dumps(original), flush=True)
+    eval_sets = {name: teacher_for(ckpt, parts, DataOptions(data=str(EVAL_DIR / f"{name}.jsonl"),
+                                                            max_new_tokens=128), True)
+                 for name in args.measure_on.split(",")}
+    measured_on = next(iter(eval_sets.values()))
+    originals = {name: chain_agreement(drafter_model(ckpt, parts), data, parts.head)
+                 for name, data in eval_sets.items()}
+    original = next(iter(originals.values()))
+    print("original", json.dumps(originals), flush=True)
 
     train = training_data(args.data, ckpt, parts)
     weight, _ = stitched_head(ckpt, load_target_head(parts.path), args.vocab)
@@ -138,7 +147,7 @@ def main() -> int:
     d2t = (ckpt.draft_to_target_ids() - torch.arange(weight.shape[0])).long() if args.vocab == "draft" else None
     drafter = drafter_model(lowrank_checkpoint(ckpt, up.float(), down.float(), d2t), parts)
     cfg = DistillConfig(steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens, warmup_steps=5,
-                        train_backbone=args.train_backbone, teacher=args.teacher)
+                        train_backbone=args.train_backbone, backbone_lr=args.backbone_lr, teacher=args.teacher)
     if args.init == "whitened":
         train_idx, _ = split_sequences(train, cfg.eval_every_nth)
         cov = activation_covariance(student_features(drafter, train, train_idx, cfg.ttt_steps))
@@ -171,13 +180,21 @@ def main() -> int:
     result = distill_drafter(drafter, train, distill_teacher_head(ckpt, drafter, parts, args.teacher), cfg,
                              progress=True)
     after = chain_agreement(drafter, measured_on, parts.head)
-    by_confidence = agreement_by_confidence(drafter, drafter_model(ckpt, parts), measured_on)
+    by_set = {}
+    for name, data in eval_sets.items():
+        res = chain_agreement(drafter, data, parts.head)
+        by_set[name] = {"tau_proxy_original": originals[name]["tau_proxy"], "tau_proxy": res["tau_proxy"],
+                        "rho_proxy": round(res["tau_proxy"] / originals[name]["tau_proxy"], 4),
+                        "by_confidence": agreement_by_confidence(drafter, drafter_model(ckpt, parts), data)}
+        print(name, json.dumps(by_set[name]), flush=True)
+    by_confidence = by_set[next(iter(eval_sets))]["by_confidence"]
     print("student top-1 == source top-1, by the source's top-1 probability:", json.dumps(by_confidence))
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "answer_tokens": int(train.loss_mask.sum()),
               "original": original, "start": start, "after": after,
               "held_out_kl": [round(result.kl_before, 4), round(result.kl_after, 4)],
               "seconds": round(time.perf_counter() - began, 1),
-              "rho_proxy": round(after["tau_proxy"] / original["tau_proxy"], 4), "by_confidence": by_confidence}
+              "rho_proxy": round(after["tau_proxy"] / original["tau_proxy"], 4), "by_confidence": by_confidence,
+              "by_eval_set": by_set}
     print("after", json.dumps(record), flush=True)
     args.log.parent.mkdir(parents=True, exist_ok=True)
     with args.log.open("a") as f:

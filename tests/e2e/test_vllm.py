@@ -4,7 +4,7 @@ Each check starts a fresh engine in a subprocess of the vLLM venv, from a neutra
 in float32 (greedy outputs with and without speculation are then bit-identical). Drafters:
 ``SLIMSPEC_TEST_DRAFTER`` (an EAGLE-3 drafter folder for SmolLM2-135M-Instruct; optionally
 ``SLIMSPEC_TEST_CONVERTED``, its SlimSpec conversion with a draft vocabulary, e.g. distilled), else the embedded
-reference drafter converted with the demo's brief distillation. A tiny target whose greedy output is constant gives
+reference drafter converted at rank d/4 with the demo's brief distillation. A tiny target whose greedy output is constant gives
 every draft accepted, so the acceptance path and vLLM's tau counters are exercised whatever drafter is available.
 """
 
@@ -29,8 +29,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 DRAFT_TOKENS = 3
 MAX_NEW_TOKENS = 64
 NUM_PROMPTS = 8
-TAU_RATIO = 0.97  # the goal (not reached yet, see below)
-TAU_FLOOR = 0.90
+TAU_RATIO = 0.97  # issue 6: vLLM tau of the converted drafter / the original's
+SERVED_RANK = "d/4"  # of the distilled conversion; d/8 keeps ~0.94 on this drafter (see the test below)
 CONSTANT_TOKEN = 1000  # the tiny constant target's only output
 
 
@@ -74,15 +74,15 @@ def target() -> Path:
 
 @pytest.fixture(scope="module")
 def drafters(target, tmp_path_factory) -> dict[str, Path]:
-    """The original drafter and its SlimSpec conversions at d/8: draft vocab with d2t and the demo's brief
-    distillation; full vocab, SVD only (served-head checks)."""
+    """The original drafter and its SlimSpec conversions: at d/4, draft vocab with d2t and the demo's brief
+    distillation; at d/8, full vocab, SVD only (served-head checks)."""
     tmp = tmp_path_factory.mktemp("vllm-drafters")
     original = os.environ.get("SLIMSPEC_TEST_DRAFTER")
     if original is None:
         original = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)
     options, config = brief_distillation()  # the demo's: draft vocab, distilled against the source drafter
     draft = os.environ.get("SLIMSPEC_TEST_CONVERTED") or slimspec.convert(
-        str(original), embedded.EMBEDDED_TARGET, "d/8", vocab="draft", out=tmp / "draft", progress=False,
+        str(original), embedded.EMBEDDED_TARGET, SERVED_RANK, vocab="draft", out=tmp / "draft", progress=False,
         distill_steps=config.steps, data_options=options, distill_config=config).out
     full = slimspec.convert(str(original), embedded.EMBEDDED_TARGET, "d/8", out=tmp / "full", progress=False).out
     return {"original": Path(original), "full": Path(full), "draft": Path(draft)}
@@ -112,10 +112,10 @@ def test_converted_drafter_is_lossless_and_keeps_tau(target, drafters, baseline)
           f"(ratio {converted['tau'] / original['tau']:.3f}); tokens/s {converted['tokens_per_second']:.1f} vs "
           f"{original['tokens_per_second']:.1f}, no speculation {baseline['tokens_per_second']:.1f}")
     assert original["tau"] > 1.3  # a trained drafter: the ratio below means something
-    # Issue 6's goal is TAU_RATIO (0.97). The demo's brief distillation (draft vocab, drafter teacher) measured
-    # 0.939 here (8 prompts x 64 tokens); the floor catches a regression towards the target-teacher recipe
-    # (0.86 in BENCHMARKS.md) or SVD only (~0.74).
-    assert converted["tau"] >= TAU_FLOOR * original["tau"]
+    # Issue 6: >= 0.97 of the original's tau. At d/4 (rank 144) the demo's brief distillation (draft vocab, drafter
+    # teacher) keeps 0.992 (BENCHMARKS.md, 16 prompts x 128 tokens, K=4). At d/8 it keeps 0.939 here (8 x 64,
+    # K=3): rank 72 cannot hold this weak drafter's unsure argmax (BENCHMARKS.md "Why about 0.93").
+    assert converted["tau"] >= TAU_RATIO * original["tau"]
 
 
 def test_full_vocab_conversion_is_served(target, drafters, baseline):

@@ -270,3 +270,44 @@ def test_distill_cli_drafter_teacher_finds_the_source(tiny_converted, tiny_targe
     plain = CliRunner().invoke(main, ["distill", str(tmp_path / "drafter"), "-t", str(tiny_target), "-o",
                                       str(tmp_path / "p"), *args])
     assert plain.exit_code == 2 and "names no source drafter" in plain.stderr
+
+
+def test_drafter_teacher_with_backbone_scores_the_frozen_source(tiny_target, tmp_path):
+    """Catches a drafter teacher that scores the *moving* student's states once the backbone trains (the student
+    could then shift its states to agree with itself): the reported held-out KL after training must equal a
+    float64 KL between the source head on the source drafter's states and the trained student on its own."""
+    from slimspec.checkpoint.drafter import load_drafter
+    from slimspec.distill.pipeline import distill_teacher_head, drafter_model, load_target_parts, teacher_for
+    from slimspec.distill.train import distill_drafter, source_states, split_sequences, student_features
+
+    write_drafter(tmp_path / "drafter", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32))
+    options = DataOptions(num_prompts=8, responses="regenerate", max_new_tokens=16)
+    res = slimspec.convert(str(tmp_path / "drafter"), str(tiny_target), 4, vocab="draft", init="svd",
+                           out=tmp_path / "o", distill_steps=0, data_options=options, progress=False)
+    parts = load_target_parts(str(tiny_target))
+    source = load_drafter(tmp_path / "drafter")
+    converted = load_drafter(res.out)
+    student = drafter_model(converted, parts)
+    teacher = teacher_for(source, parts, options, False)
+    head = distill_teacher_head(source, student, parts, "drafter")
+    cfg = DistillConfig(steps=15, lr=2e-2, backbone_lr=5e-3, warmup_steps=2, batch_tokens=256, teacher="drafter",
+                        train_backbone=True)
+    train_idx, held = split_sequences(teacher, cfg.eval_every_nth)
+    frozen = source_states(drafter_model(source, parts), teacher, train_idx + held, 3)
+    before = student_features(student, teacher, held, 3, source_rows=True)
+    torch.testing.assert_close(before.hidden.reshape(-1, 32), frozen[before.teacher_index.reshape(-1)])
+    fc_before = student.fc.weight.detach().clone()
+    result = distill_drafter(student, teacher, head, cfg, progress=False)
+    assert not torch.equal(student.fc.weight, fc_before), "the backbone did not train"
+    after = student_features(student, teacher, held, 3, source_rows=True)
+    h, rows = after.hidden[:, 0].double(), after.teacher_index[:, 0]
+    src = torch.cat([frozen[rows].double(), torch.ones(rows.numel(), 1, dtype=torch.float64)], 1) @ head.double().T
+    down, up = student.lm_head.weight_down.double(), student.lm_head.weight_up.double()
+    student_logp = torch.log_softmax(h @ down.T @ up.T, -1)
+    p = torch.softmax(src, -1)
+    teacher_logp = torch.log_softmax(src, -1)
+    vocab = student_logp.shape[1]
+    w = after.weight[:, 0].double()
+    kl = ((p[:, :vocab] * (teacher_logp[:, :vocab] - student_logp)).sum(1) * w).sum() / w.sum()
+    assert abs(float(kl) - result.kl_after) < 1e-3 * max(1.0, float(kl)), (float(kl), result.kl_after)
+    assert result.kl_after < result.kl_before

@@ -47,6 +47,7 @@ class DistillConfig:
     ttt_steps: int = 3
     decay: float = 0.8
     train_backbone: bool = False
+    backbone_lr: float | None = None  # peak lr of the backbone when it trains (None: ``lr``)
     save_every: int = 0
     seed: int = 0
     eval_every_nth: int = 10  # every n-th teacher sequence is held out for the KL before/after
@@ -87,7 +88,7 @@ def split_sequences(teacher: TeacherData, every_nth: int) -> tuple[list[int], li
     return train, held
 
 
-def _sequence_inputs(teacher: TeacherData, index: int, steps: int):
+def _sequence_inputs(teacher: TeacherData, index: int, steps: int, source_rows: bool = False):
     seq = teacher.sequence(index)
     length = seq["input_ids"].numel()
     positions = length - steps
@@ -95,14 +96,18 @@ def _sequence_inputs(teacher: TeacherData, index: int, steps: int):
         return None
     start = int(teacher.starts[index])
     t = torch.arange(positions)
-    teacher_index = torch.stack([start + t + 1 + i for i in range(steps)], dim=1)
+    if source_rows:  # rows of source_states(...) flattened to [num_tokens * k, H]: (position, step)
+        teacher_index = ((start + t) * steps)[:, None] + torch.arange(steps)[None]
+    else:
+        teacher_index = torch.stack([start + t + 1 + i for i in range(steps)], dim=1)
     weight = torch.stack([seq["loss_mask"][t + 1 + i].float() for i in range(steps)], dim=1)
     return seq, positions, teacher_index, weight
 
 
-def student_outputs(drafter: Eagle3Drafter, teacher: TeacherData, index: int, steps: int):
+def student_outputs(drafter: Eagle3Drafter, teacher: TeacherData, index: int, steps: int,
+                    source_rows: bool = False):
     """Normed TTT outputs [T', k, H] of one sequence, with teacher rows and weights (None if too short)."""
-    inputs = _sequence_inputs(teacher, index, steps)
+    inputs = _sequence_inputs(teacher, index, steps, source_rows)
     if inputs is None:
         return None
     seq, positions, teacher_index, weight = inputs
@@ -114,17 +119,19 @@ def student_outputs(drafter: Eagle3Drafter, teacher: TeacherData, index: int, st
 
 @torch.no_grad()
 def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list[int], steps: int,
-                     progress: bool = False, all_positions: bool = False) -> StudentFeatures:
+                     progress: bool = False, all_positions: bool = False,
+                     source_rows: bool = False) -> StudentFeatures:
     """Frozen-backbone features of the given sequences' answer positions (rows with some loss weight).
 
     ``all_positions``: every position, each with weight 1 (prompt positions too). Only for the ``drafter``
     teacher, whose targets are the source head's outputs on these very states, not the next tokens.
+    ``source_rows``: teacher rows index ``source_states`` (the drafter teacher while the backbone trains).
     """
     from tqdm.auto import tqdm
 
     parts = []
     for i in tqdm(indices, desc="[slimspec] drafter features", disable=not progress, leave=False):
-        out = student_outputs(drafter, teacher, i, steps)
+        out = student_outputs(drafter, teacher, i, steps, source_rows)
         if out is not None:
             hidden, teacher_index, weight = out
             if all_positions:
@@ -162,17 +169,39 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def teacher_hidden(hidden: torch.Tensor, teacher_index: torch.Tensor, teacher: TeacherData, kind: str
-                   ) -> torch.Tensor:
-    """Rows the teacher head multiplies: the target's final states, or (``drafter``) the student's own [h, 1]."""
+@torch.no_grad()
+def source_states(drafter: Eagle3Drafter, teacher: TeacherData, indices: list[int], steps: int,
+                  progress: bool = False) -> torch.Tensor:
+    """The (frozen, source) drafter's normed TTT outputs at every position, [num_tokens * k, H] float32.
+
+    Row (position * k + step); rows of positions without a draft (a sequence's last k tokens) stay zero. These
+    are the drafter teacher's inputs while the backbone trains: the source head must score the *source*
+    backbone's states, not the moving student's.
+    """
+    from tqdm.auto import tqdm
+
+    k, size = steps, drafter.config.hidden_size
+    out = torch.zeros(teacher.num_tokens * k, size)
+    for i in tqdm(indices, desc="[slimspec] source drafter states", disable=not progress, leave=False):
+        res = student_outputs(drafter, teacher, i, steps, source_rows=True)
+        if res is not None:
+            out[res[1].reshape(-1)] = res[0].reshape(-1, size).float()
+    return out
+
+
+def teacher_hidden(hidden: torch.Tensor, teacher_index: torch.Tensor, teacher: TeacherData, kind: str,
+                   source: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows the teacher head multiplies: the target's final states, or (``drafter``) [h, 1] with h the
+    student's own state, or the source drafter's state (``source``: rows of ``source_states``)."""
     if kind == "drafter":
-        return torch.cat([hidden.detach().float(), hidden.new_ones(hidden.shape[0], 1, dtype=torch.float32)], 1)
+        h = hidden.detach().float() if source is None else source[teacher_index]
+        return torch.cat([h, h.new_ones(h.shape[0], 1, dtype=torch.float32)], 1)
     return teacher.final[teacher_index].float()
 
 
 def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.Tensor, weight: torch.Tensor,
              teacher: TeacherData, teacher_head: torch.Tensor, decay: float, global_weight: torch.Tensor | None = None,
-             kind: str = "target") -> tuple[torch.Tensor, list[float]]:
+             kind: str = "target", source: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """Loss = sum_i decay^i * KL_i (KL_i the weighted mean over tokens) and the per-step KLs.
 
     ``global_weight`` [k] (the weight sums over all ranks) makes the per-rank losses add up to the global one.
@@ -194,7 +223,7 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
             total = total + 0.0 * (up.sum() + down.sum())  # keep every rank's graph the same shape
             continue
         keep = w > 0  # zero-weight rows (prompt positions) add nothing: skip their head and teacher matmuls
-        th = teacher_hidden(hidden[keep, i], teacher_index[keep, i], teacher, kind)
+        th = teacher_hidden(hidden[keep, i], teacher_index[keep, i], teacher, kind, source)
         kl = full_vocab_kl(hidden[keep, i], down, up, th, teacher_head, weights=w[keep])
         share = kl * (local / denominator)
         per_step.append(float(share.detach()))
@@ -204,8 +233,8 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
 
 @torch.no_grad()
 def evaluate_kl(drafter: Eagle3Drafter, features: StudentFeatures, teacher: TeacherData,
-                teacher_head: torch.Tensor, decay: float, batch: int = 4096, kind: str = "target"
-                ) -> tuple[float, list[float]]:
+                teacher_head: torch.Tensor, decay: float, batch: int = 4096, kind: str = "target",
+                source: torch.Tensor | None = None) -> tuple[float, list[float]]:
     """Weighted-mean KL per TTT step over ``features`` and the decayed sum (the training loss)."""
     k = features.hidden.shape[1]
     sums, weights = [0.0] * k, [0.0] * k
@@ -216,7 +245,7 @@ def evaluate_kl(drafter: Eagle3Drafter, features: StudentFeatures, teacher: Teac
             if float(w.sum()) <= 0:
                 continue
             h = features.hidden[a:a + batch, i]
-            th = teacher_hidden(h, features.teacher_index[a:a + batch, i], teacher, kind)
+            th = teacher_hidden(h, features.teacher_index[a:a + batch, i], teacher, kind, source)
             kl = full_vocab_kl(h, down.detach(), up.detach(), th, teacher_head,
                                weights=w)
             sums[i] += float(kl) * float(w.sum())
@@ -272,16 +301,23 @@ def distill_drafter(
     kind = cfg.teacher
     if kind not in TEACHERS:
         raise SlimSpecError(f"teacher must be one of {', '.join(TEACHERS)}, got {kind!r}")
-    if kind == "drafter" and cfg.train_backbone:
-        raise SlimSpecError("the drafter teacher scores the student's own states: it cannot train the backbone")
     train_idx, eval_idx = split_sequences(teacher, cfg.eval_every_nth)
     drafter.requires_grad_(False)
-    eval_features = student_features(drafter, teacher, eval_idx, k)
-    kl_before, kl_before_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=kind)
+    # The drafter teacher with a training backbone scores the source backbone's states, computed once here.
+    frozen = kind == "drafter" and cfg.train_backbone
+    source = source_states(drafter, teacher, train_idx + eval_idx, k, progress) if frozen else None
+    eval_features = student_features(drafter, teacher, eval_idx, k, source_rows=frozen)
+    kl_before, kl_before_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=kind,
+                                             source=source)
     train_features = None if cfg.train_backbone else student_features(drafter, teacher, train_idx, k, progress,
                                                                        all_positions=kind == "drafter")
     params = trainable_parameters(drafter, cfg.train_backbone)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    head_ids = {id(p) for p in drafter.lm_head.parameters()}
+    groups = [{"params": [p for p in params if id(p) in head_ids], "scale": 1.0},
+              {"params": [p for p in params if id(p) not in head_ids],
+               "scale": (cfg.backbone_lr or cfg.lr) / cfg.lr}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(cfg.seed)
     history: list[dict] = []
     start_step = 0
@@ -300,7 +336,8 @@ def distill_drafter(
     tokens_seen, started = 0, time.perf_counter()
     for step in range(start_step, cfg.steps):
         if cfg.train_backbone:
-            hidden, teacher_index, weight = _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world)
+            hidden, teacher_index, weight = _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world,
+                                                            frozen)
         else:
             rows = torch.randint(0, train_features.hidden.shape[0], (cfg.batch_tokens,), generator=generator)
             rows = rows[rank::world]
@@ -308,10 +345,10 @@ def distill_drafter(
             teacher_index, weight = train_features.teacher_index[rows], train_features.weight[rows]
         global_weight = _all_reduce(weight.sum(0).double())
         for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, cfg)
+            group["lr"] = _lr_at(step, cfg) * group["scale"]
         optimizer.zero_grad(set_to_none=True)
         loss, per_step = kl_terms(drafter, hidden, teacher_index, weight, teacher, teacher_head, cfg.decay,
-                                  global_weight, kind=kind)
+                                  global_weight, kind=kind, source=source)
         loss.backward()
         for p in params:
             if p.grad is not None:
@@ -336,15 +373,18 @@ def distill_drafter(
     seconds = time.perf_counter() - started
     drafter.requires_grad_(False)
     if cfg.train_backbone:
-        eval_features = student_features(drafter, teacher, eval_idx, k)
-    kl_after, kl_after_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=kind)
+        eval_features = student_features(drafter, teacher, eval_idx, k, source_rows=frozen)
+    kl_after, kl_after_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=kind,
+                                           source=source)
     return DistillResult(steps=cfg.steps, kl_before=kl_before_steps[0], kl_after=kl_after_steps[0],
                          kl_before_per_step=kl_before_steps, kl_after_per_step=kl_after_steps, history=history,
                          tokens_per_second=tokens_seen / max(seconds, 1e-9), seconds=seconds, config=asdict(cfg))
 
 
-def _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world):
-    """Whole sequences, drawn at random until the batch holds ``batch_tokens`` positions (split over ranks)."""
+def _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world, source_rows=False):
+    """Whole sequences, drawn at random until the batch holds ``batch_tokens`` positions (split over ranks).
+
+    ``source_rows`` (drafter teacher): teacher rows index the source states and every position teaches."""
     chosen, count = [], 0
     while count < cfg.batch_tokens:
         i = train_idx[int(torch.randint(0, len(train_idx), (1,), generator=generator))]
@@ -352,8 +392,10 @@ def _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world):
         count += max(0, int(teacher.starts[i + 1] - teacher.starts[i]) - cfg.ttt_steps)
         if len(chosen) > 10 * len(train_idx):
             break
-    parts = [student_outputs(drafter, teacher, i, cfg.ttt_steps) for i in chosen[rank::world]]
+    parts = [student_outputs(drafter, teacher, i, cfg.ttt_steps, source_rows) for i in chosen[rank::world]]
     parts = [p for p in parts if p is not None]
+    if source_rows:
+        parts = [(h, index, torch.ones_like(w)) for h, index, w in parts]
     if not parts:
         h = drafter.fc.weight.new_zeros(0, cfg.ttt_steps, drafter.config.hidden_size)
         return h, torch.zeros(0, cfg.ttt_steps, dtype=torch.long), torch.zeros(0, cfg.ttt_steps)
