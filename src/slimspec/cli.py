@@ -191,7 +191,9 @@ def _print_convert_report(report: dict) -> None:
               help="--from-scratch: draft vocabulary size (most frequent tokens of the target's answers).")
 @click.option("--head-rank", type=int, help="--from-scratch: a SlimSpec head of this rank instead of a full one.")
 @click.option("--steps", type=int, default=100, show_default=True, help="Optimizer steps.")
-@click.option("--train-backbone", is_flag=True, help="Train the whole drafter, not only the head.")
+@click.option("--train-backbone", is_flag=True, help="Train the whole drafter, not only the head (with --teacher "
+              "drafter the source drafter's own states stay the teacher's).")
+@click.option("--backbone-lr", type=float, help="--train-backbone: peak lr of the backbone [default: --lr].")
 @click.option("--save-every", type=int, default=0, help="Write a resumable checkpoint every M steps.")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint of an interrupted run (same options).")
 @click.option("--out", "-o", type=click.Path(path_type=Path), help="Output folder [default: CHECKPOINT-distilled].")
@@ -200,8 +202,8 @@ def _print_convert_report(report: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draft_vocab: int, head_rank: int | None,
-            steps: int, train_backbone: bool, save_every: int, resume: bool, out: Path | None, overwrite: bool,
-            as_json: bool, quiet: bool, **kw) -> None:
+            steps: int, train_backbone: bool, backbone_lr: float | None, save_every: int, resume: bool,
+            out: Path | None, overwrite: bool, as_json: bool, quiet: bool, **kw) -> None:
     """Distil CHECKPOINT's head (or whole drafter) against the target under full-vocabulary KL.
 
     Teacher data (target features and final hidden states on prompt + answer) is cached on disk, so
@@ -210,7 +212,7 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
     from slimspec.distill.pipeline import distill as run_distill
 
     options, cfg = _data_and_config(kw, steps)
-    cfg.train_backbone, cfg.save_every = train_backbone, save_every
+    cfg.train_backbone, cfg.backbone_lr, cfg.save_every = train_backbone, backbone_lr, save_every
     _init_distributed()
     if from_scratch:
         from slimspec.distill.scratch import train_from_scratch

@@ -4,8 +4,9 @@ Each check starts a fresh engine in a subprocess of the vLLM venv, from a neutra
 in float32 (greedy outputs with and without speculation are then bit-identical). Drafters:
 ``SLIMSPEC_TEST_DRAFTER`` (an EAGLE-3 drafter folder for SmolLM2-135M-Instruct; optionally
 ``SLIMSPEC_TEST_CONVERTED``, its SlimSpec conversion with a draft vocabulary, e.g. distilled), else the embedded
-reference drafter converted at rank d/4 with the demo's brief distillation. A tiny target whose greedy output is constant gives
-every draft accepted, so the acceptance path and vLLM's tau counters are exercised whatever drafter is available.
+reference drafter converted at ranks d/4 and d/8 with the demo's brief distillation. A tiny target whose greedy
+output is constant gives every draft accepted, so the acceptance path and vLLM's tau counters are exercised
+whatever drafter is available.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ DRAFT_TOKENS = 3
 MAX_NEW_TOKENS = 64
 NUM_PROMPTS = 8
 TAU_RATIO = 0.97  # issue 6: vLLM tau of the converted drafter / the original's
-SERVED_RANK = "d/4"  # of the distilled conversion; d/8 keeps ~0.94 on this drafter (see the test below)
+SERVED_RANK = "d/4"  # of the distilled conversion held to TAU_RATIO
+D8_TAU_FLOOR = 0.90  # the same recipe at d/8 (issue 5 asks 0.95; this weak drafter keeps ~0.94, see below)
 CONSTANT_TOKEN = 1000  # the tiny constant target's only output
 
 
@@ -74,7 +76,7 @@ def target() -> Path:
 
 @pytest.fixture(scope="module")
 def drafters(target, tmp_path_factory) -> dict[str, Path]:
-    """The original drafter and its SlimSpec conversions: at d/4, draft vocab with d2t and the demo's brief
+    """The original drafter and its SlimSpec conversions: at d/4 and d/8, draft vocab with d2t and the demo's brief
     distillation; at d/8, full vocab, SVD only (served-head checks)."""
     tmp = tmp_path_factory.mktemp("vllm-drafters")
     original = os.environ.get("SLIMSPEC_TEST_DRAFTER")
@@ -84,8 +86,18 @@ def drafters(target, tmp_path_factory) -> dict[str, Path]:
     draft = os.environ.get("SLIMSPEC_TEST_CONVERTED") or slimspec.convert(
         str(original), embedded.EMBEDDED_TARGET, SERVED_RANK, vocab="draft", out=tmp / "draft", progress=False,
         distill_steps=config.steps, data_options=options, distill_config=config).out
+    draft8 = slimspec.convert(
+        str(original), embedded.EMBEDDED_TARGET, "d/8", vocab="draft", out=tmp / "draft8", progress=False,
+        distill_steps=config.steps, data_options=options, distill_config=config).out
     full = slimspec.convert(str(original), embedded.EMBEDDED_TARGET, "d/8", out=tmp / "full", progress=False).out
-    return {"original": Path(original), "full": Path(full), "draft": Path(draft)}
+    return {"original": Path(original), "full": Path(full), "draft": Path(draft), "draft8": Path(draft8)}
+
+
+@pytest.fixture(scope="module")
+def original_report(target, drafters) -> dict:
+    report = _check(target, drafter=drafters["original"], args=["--check-head"])
+    assert report["ok"], report
+    return report
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +108,10 @@ def baseline(target) -> dict:
     return report
 
 
-def test_converted_drafter_is_lossless_and_keeps_tau(target, drafters, baseline):
+def test_converted_drafter_is_lossless_and_keeps_tau(target, drafters, baseline, original_report):
     """Catches a wrong or random served head, and a converted head that loses acceptance."""
     converted = _check(target, drafter=drafters["draft"], args=["--check-head", "--local-argmax"])
-    original = _check(target, drafter=drafters["original"], args=["--check-head"])
+    original = original_report
     for report in (converted, original):
         assert report["ok"], report
         assert report["outputs"] == baseline["outputs"], "speculation changed the greedy output"
@@ -116,6 +128,19 @@ def test_converted_drafter_is_lossless_and_keeps_tau(target, drafters, baseline)
     # teacher) keeps 0.992 (BENCHMARKS.md, 16 prompts x 128 tokens, K=4). At d/8 it keeps 0.939 here (8 x 64,
     # K=3): rank 72 cannot hold this weak drafter's unsure argmax (BENCHMARKS.md "Why about 0.93").
     assert converted["tau"] >= TAU_RATIO * original["tau"]
+
+
+def test_d8_conversion_keeps_most_of_tau(target, drafters, baseline, original_report):
+    """Issue 5's conversion (the demo's: d/8, draft vocab, brief distillation against the drafter) in vLLM: catches a
+    regression towards the target-teacher recipe (rho 0.86 in BENCHMARKS.md) or SVD only (~0.74). The issue's 0.95
+    is not reached on this drafter: 0.939 here; rank 72 keeps its top-1 where it is sure (96 %) but 60 % of its
+    positions are < 0.4 sure (BENCHMARKS.md "Why about 0.93"; on gsm8k, where it is stronger, 0.96)."""
+    converted = _check(target, drafter=drafters["draft8"])
+    assert converted["ok"], converted
+    assert converted["outputs"] == baseline["outputs"], "speculation changed the greedy output"
+    ratio = converted["tau"] / original_report["tau"]
+    print(f"\n[vllm] d/8: tau {converted['tau']:.3f} vs original {original_report['tau']:.3f} (ratio {ratio:.3f})")
+    assert ratio >= D8_TAU_FLOOR
 
 
 def test_full_vocab_conversion_is_served(target, drafters, baseline):

@@ -10,7 +10,8 @@ there (response tokens) and by ``decay**i``.
 
 With ``teacher="drafter"`` the teacher is instead the source drafter's full-rank head applied to the student's
 own normed state at the same step (self-distillation of the factorised head): no next-token alignment, so every
-position counts, prompt positions included.
+position counts, prompt positions included. If the backbone trains too, the source head scores the *source*
+backbone's states instead (:func:`source_states`, computed once before training), never the moving student's.
 """
 
 from __future__ import annotations
