@@ -68,9 +68,10 @@ class TeacherSettings:
     max_length: int = 1024
     aux_layers: tuple[int, ...] | None = None
     dtype: str = "bfloat16"  # storage of the hidden states
-    generation_batch: int = 16
-    # Answers are generated with a bf16 copy of the target (memory-bound decoding: ~2x faster, 16 sequences
-    # at a time ~227 tokens/s for SmolLM2-135M on 2 cores); features always come from the float32 target.
+    generation_batch: int = 64
+    # Answers are generated with a bf16 copy of the target, 64 length-sorted prompts at a time (SmolLM2-135M on
+    # 2 cores, the 300 calibration prompts x 64 tokens: 50 s at ~360 tokens/s, against 76 s at ~240 with 16 at a
+    # time); features always come from the float32 target.
     generation_dtype: str = "bfloat16"
 
 
