@@ -1,0 +1,26 @@
+"""scripts/gpu_bench.py must stay runnable for the session that is lent a GPU: that session gets one short device
+run, which a script error would waste. ``--cpu-smoke`` runs the same checks, timers and report at tiny shapes on
+the CPU under TRITON_INTERPRET=1 (its times mean nothing)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def test_gpu_bench_cpu_smoke_passes_its_checks(tmp_path):
+    """Catches a gpu_bench.py that crashes, whose kernel checks fail, or whose report lacks the table."""
+    out = tmp_path / "gpu.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--cpu-smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = out.read_text()
+    assert "Checks: all passed." in report, report
+    assert "[FAIL]" not in proc.stdout
+    assert report.count("\n| ") >= 3, report  # header + one row per B at least
