@@ -136,8 +136,8 @@ def main() -> int:
                                                             max_new_tokens=128), True)
                  for name in args.measure_on.split(",")}
     measured_on = next(iter(eval_sets.values()))
-    originals = {name: chain_agreement(drafter_model(ckpt, parts), data, parts.head)
-                 for name, data in eval_sets.items()}
+    source = drafter_model(ckpt, parts)
+    originals = {name: chain_agreement(source, data, parts.head) for name, data in eval_sets.items()}
     original = next(iter(originals.values()))
     print("original", json.dumps(originals), flush=True)
 
@@ -179,15 +179,15 @@ def main() -> int:
         train_module.student_features = focused
     result = distill_drafter(drafter, train, distill_teacher_head(ckpt, drafter, parts, args.teacher), cfg,
                              progress=True)
-    after = chain_agreement(drafter, measured_on, parts.head)
-    by_set = {}
+    afters, by_set = {}, {}
     for name, data in eval_sets.items():
-        res = chain_agreement(drafter, data, parts.head)
-        by_set[name] = {"tau_proxy_original": originals[name]["tau_proxy"], "tau_proxy": res["tau_proxy"],
-                        "rho_proxy": round(res["tau_proxy"] / originals[name]["tau_proxy"], 4),
-                        "by_confidence": agreement_by_confidence(drafter, drafter_model(ckpt, parts), data)}
+        afters[name] = chain_agreement(drafter, data, parts.head)
+        by_set[name] = {"tau_proxy_original": originals[name]["tau_proxy"], "tau_proxy": afters[name]["tau_proxy"],
+                        "rho_proxy": round(afters[name]["tau_proxy"] / originals[name]["tau_proxy"], 4),
+                        "by_confidence": agreement_by_confidence(drafter, source, data)}
         print(name, json.dumps(by_set[name]), flush=True)
-    by_confidence = by_set[next(iter(eval_sets))]["by_confidence"]
+    headline = next(iter(eval_sets))
+    after, by_confidence = afters[headline], by_set[headline]["by_confidence"]
     print("student top-1 == source top-1, by the source's top-1 probability:", json.dumps(by_confidence))
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "answer_tokens": int(train.loss_mask.sum()),
               "original": original, "start": start, "after": after,
