@@ -76,6 +76,8 @@ def _data_and_config(kw: dict, steps: int):
     from slimspec.distill.pipeline import DataOptions
     from slimspec.distill.train import DistillConfig
 
+    if kw["lr"] <= 0:
+        raise SlimSpecError(f"--lr must be > 0, got {kw['lr']:g}")
     aux = [int(x) for x in kw.pop("aux_layers").split(",")] if kw.get("aux_layers") else None
     options = DataOptions(data=list(kw.pop("data")) or None, num_prompts=kw.pop("num_prompts"),
                           responses=kw.pop("responses"), max_new_tokens=kw.pop("max_new_tokens"),
@@ -212,6 +214,8 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
     from slimspec.distill.pipeline import distill as run_distill
 
     options, cfg = _data_and_config(kw, steps)
+    if backbone_lr is not None and backbone_lr <= 0:
+        raise SlimSpecError(f"--backbone-lr must be > 0, got {backbone_lr:g}")
     cfg.train_backbone, cfg.backbone_lr, cfg.save_every = train_backbone, backbone_lr, save_every
     _init_distributed()
     if from_scratch:

@@ -114,6 +114,16 @@ def test_bad_rank(tmp_path, pair, rank, needle):
     _assert_clean_failure(_run([pair[0], "-t", pair[1], "--rank", rank], tmp_path), tmp_path, needle)
 
 
+def test_learning_rates_must_be_positive(tmp_path, pair):
+    """Catches a zero or negative --lr / --backbone-lr reaching AdamW (a ValueError traceback after the teacher
+    data was built)."""
+    _assert_clean_failure(_run([pair[0], "--target", pair[1], "--distill-steps", "2", "--lr", "0"], tmp_path), tmp_path,
+                          "--lr must be > 0")
+    result = CliRunner().invoke(main, ["distill", pair[0], "--target", pair[1], "--train-backbone", "--backbone-lr",
+                                       "-1", "--out", str(tmp_path / "out"), "--quiet"])
+    _assert_clean_failure(result, tmp_path, "--backbone-lr must be > 0")
+
+
 def test_existing_out(tmp_path, pair):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
