@@ -23,15 +23,26 @@ SHARED = ROOT.parent / "shared" / "data" / "train"
 MIX = {"oasst_prompts.jsonl": None, "vicuna_bench.jsonl": None, "self_instruct_seed.jsonl": None,
        "gpteacher_roleplay.jsonl": 600, "gpteacher_codegen.jsonl": 500, "mbpp.jsonl": 200,
        "gsm8k_train.jsonl": 300, "svamp.jsonl": 150}
+# v2: v1's prompts plus more of each sampled file (1.7x the prompts; a data-scaling step for issue 5)
+MIX_EXTRA = {"gpteacher_roleplay.jsonl": 600, "gpteacher_codegen.jsonl": 600, "mbpp.jsonl": 274,
+             "gsm8k_train.jsonl": 600, "svamp.jsonl": 200}
 WORK = ROOT / "out" / "reference"
 
 
-def compose_prompts(path: Path) -> Path:
+def compose_prompts(path: Path, mix: str = "v1") -> Path:
+    """The build's prompt file: v1 (the shipped drafter's mix) or v2 (v1 plus ``MIX_EXTRA``, v1's rows first)."""
     rng = random.Random(5)
-    rows = []
+    rows, pools = [], {}
     for name, count in MIX.items():
         data = [json.loads(line) for line in (SHARED / name).read_text().split("\n") if line.strip()]
-        rows += data if count is None else rng.sample(data, count)
+        chosen = data if count is None else rng.sample(data, count)
+        rows += chosen
+        taken = {r["id"] for r in chosen}
+        pools[name] = [r for r in data if r["id"] not in taken]
+    if mix == "v2":
+        extra = random.Random(6)
+        for name, count in MIX_EXTRA.items():
+            rows += extra.sample(pools[name], min(count, len(pools[name])))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"id": r["id"], "turns": r["turns"][:1]}) + "\n" for r in rows))
     return path
@@ -53,6 +64,8 @@ def main() -> int:
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--mix", choices=["v1", "v2"], default="v1",
+                        help="prompt mix: v1 (the shipped drafter's) or v2 (v1 plus more train/ prompts)")
     parser.add_argument("--resume", action="store_true", help="train: continue from the last checkpoint")
     parser.add_argument("--out", type=Path, default=WORK / "smollm2-135m-eagle3")
     parser.add_argument("--every-nth", type=int, default=1,
@@ -60,7 +73,7 @@ def main() -> int:
     parser.add_argument("--curve-out", type=Path, default=None,
                         help="curve: where to write the curve (default: the packaged tau_curve.json)")
     args = parser.parse_args()
-    prompts = compose_prompts(WORK / "prompts.jsonl")
+    prompts = compose_prompts(WORK / f"prompts-{args.mix}.jsonl", args.mix)
     options = DataOptions(data=str(prompts), responses="regenerate", max_new_tokens=128, max_length=768)
     target = "embedded:smollm2-135m"
     if args.stage == "teacher":
@@ -84,7 +97,7 @@ def main() -> int:
     elif args.stage == "curve":
         print(json.dumps(tau_curve(args.out, args.curve_out or PACKAGED / "tau_curve.json")))
     else:
-        publish(args.out)
+        publish(args.out, args.mix)
     return 0
 
 
@@ -158,14 +171,14 @@ def tau_curve(folder: Path, path: Path, num_prompts: int = 8) -> list[dict]:
     return rows
 
 
-def publish(folder: Path) -> None:
+def publish(folder: Path, mix: str = "v1") -> None:
     """Write the model card and copy the drafter into the package (what ``embedded:smollm2-135m-eagle3`` is)."""
     import shutil
 
     training = json.loads((folder / "training.json").read_text())
     evaluation = json.loads((folder / "eval.json").read_text())
     draft_vocab = json.loads((folder / "config.json").read_text())["draft_vocab_size"]
-    (folder / "README.md").write_text(model_card(training, evaluation, draft_vocab))
+    (folder / "README.md").write_text(model_card(training, evaluation, draft_vocab, mix))
     if PACKAGED.exists():
         shutil.rmtree(PACKAGED)
     PACKAGED.mkdir(parents=True)
@@ -175,13 +188,16 @@ def publish(folder: Path) -> None:
     print(f"packaged {PACKAGED} ({size / 2**20:.1f} MiB)")
 
 
-def model_card(training: dict, evaluation: dict, draft_vocab: int) -> str:
+def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str = "v1") -> str:
     """Markdown card: what the drafter is, the command that rebuilt it, its data and its measured tau."""
     d = training["distill"]
     cfg = d["config"]
     ref = evaluation["reference"]  # engine vllm: the top level is vLLM's measurement, "reference" ours
     s = evaluation["settings"]
-    mix = ", ".join(f"{name.removesuffix('.jsonl')} ({'all' if n is None else n})" for name, n in MIX.items())
+    extra = MIX_EXTRA if mix_name == "v2" else {}
+    counts = {name: None if n is None else n + extra.get(name, 0) for name, n in MIX.items()}
+    mix = ", ".join(f"{name.removesuffix('.jsonl')} ({'all' if n is None else n})" for name, n in counts.items())
+    flag = f" --mix {mix_name}" if mix_name != "v1" else ""
     per_pos = ", ".join(f"{a:.3f}" for a in ref.get("acceptance_per_position", []))
     return f"""---
 library_name: slimspec
@@ -213,11 +229,11 @@ Held-out KL (teacher || drafter, first TTT step): {d["kl_before"]:.3f} at init -
 
 ## How it was built
 ```
-python scripts/build_reference_drafter.py --stage teacher
-python scripts/build_reference_drafter.py --stage train \\
+python scripts/build_reference_drafter.py --stage teacher{flag}
+python scripts/build_reference_drafter.py --stage train{flag} \\
     --steps {cfg["steps"]} --batch-tokens {cfg["batch_tokens"]} --lr {cfg["lr"]}
 python scripts/build_reference_drafter.py --stage eval
-python scripts/build_reference_drafter.py --stage publish
+python scripts/build_reference_drafter.py --stage publish{flag}
 ```
 Data: first turns of prompts from `shared/data/train/` (never eval/): {mix}; seed 5. Answers regenerated
 by the target ({training["teacher"]["max_new_tokens"]} new tokens, greedy, bf16 copy), features
