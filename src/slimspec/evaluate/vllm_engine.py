@@ -39,6 +39,11 @@ def check_script() -> Path:
     return path
 
 
+def _absolute(path: str | Path) -> str:
+    """An existing local path made absolute; anything else (a Hub id) unchanged."""
+    return str(Path(path).resolve()) if Path(path).exists() else str(path)
+
+
 def run_vllm_check(target: str | Path, prompts: list[str], *, drafter: str | Path | None = None,
                    extra_args: list[str] | None = None, env: dict[str, str] | None = None,
                    timeout: float = 1800) -> dict[str, Any]:
@@ -52,9 +57,10 @@ def run_vllm_check(target: str | Path, prompts: list[str], *, drafter: str | Pat
     with tempfile.TemporaryDirectory(prefix="slimspec-vllm-") as tmp:
         prompts_file = Path(tmp) / "prompts.json"
         prompts_file.write_text(json.dumps(list(prompts)), encoding="utf-8")
-        cmd = [str(python), str(script), "--target", str(target), "--prompts-json", str(prompts_file)]
+        # vLLM runs from a neutral folder: relative local paths would be read as Hub ids there
+        cmd = [str(python), str(script), "--target", _absolute(target), "--prompts-json", str(prompts_file)]
         if drafter is not None:
-            cmd += ["--drafter", str(drafter)]
+            cmd += ["--drafter", _absolute(drafter)]
         cmd += extra_args or []
         full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
         full_env.pop("TRITON_INTERPRET", None)  # vLLM's own Triton use must not run in the interpreter
