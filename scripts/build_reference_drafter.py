@@ -23,14 +23,14 @@ SHARED = ROOT.parent / "shared" / "data" / "train"
 MIX = {"oasst_prompts.jsonl": None, "vicuna_bench.jsonl": None, "self_instruct_seed.jsonl": None,
        "gpteacher_roleplay.jsonl": 600, "gpteacher_codegen.jsonl": 500, "mbpp.jsonl": 200,
        "gsm8k_train.jsonl": 300, "svamp.jsonl": 150}
-# v2: v1's prompts plus more of each sampled file (1.7x the prompts; a data-scaling step for issue 5)
-MIX_EXTRA = {"gpteacher_roleplay.jsonl": 600, "gpteacher_codegen.jsonl": 600, "mbpp.jsonl": 274,
-             "gsm8k_train.jsonl": 600, "svamp.jsonl": 200}
+# Prompts each mix adds to MIX. v2: more of each sampled file (1.7x the prompts; a data-scaling step for issue 5)
+MIX_EXTRA = {"v1": {}, "v2": {"gpteacher_roleplay.jsonl": 600, "gpteacher_codegen.jsonl": 600, "mbpp.jsonl": 274,
+                              "gsm8k_train.jsonl": 600, "svamp.jsonl": 200}}
 WORK = ROOT / "out" / "reference"
 
 
 def compose_prompts(path: Path, mix: str = "v1") -> Path:
-    """The build's prompt file: v1 (the shipped drafter's mix) or v2 (v1 plus ``MIX_EXTRA``, v1's rows first)."""
+    """The build's prompt file: ``MIX`` plus the mix's ``MIX_EXTRA`` (v1's rows first, the extra ones after)."""
     rng = random.Random(5)
     rows, pools = [], {}
     for name, count in MIX.items():
@@ -39,10 +39,9 @@ def compose_prompts(path: Path, mix: str = "v1") -> Path:
         rows += chosen
         taken = {r["id"] for r in chosen}
         pools[name] = [r for r in data if r["id"] not in taken]
-    if mix == "v2":
-        extra = random.Random(6)
-        for name, count in MIX_EXTRA.items():
-            rows += extra.sample(pools[name], min(count, len(pools[name])))
+    extra = random.Random(6)
+    for name, count in MIX_EXTRA[mix].items():
+        rows += extra.sample(pools[name], min(count, len(pools[name])))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"id": r["id"], "turns": r["turns"][:1]}) + "\n" for r in rows))
     return path
@@ -64,8 +63,8 @@ def main() -> int:
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--draft-vocab", type=int, default=8192)
-    parser.add_argument("--mix", choices=["v1", "v2"], default="v1",
-                        help="prompt mix: v1 (the shipped drafter's) or v2 (v1 plus more train/ prompts)")
+    parser.add_argument("--mix", choices=sorted(MIX_EXTRA), default="v1",
+                        help="prompt mix: v1 (the first build's) or v2 (v1 plus more train/ prompts; the shipped one)")
     parser.add_argument("--resume", action="store_true", help="train: continue from the last checkpoint")
     parser.add_argument("--out", type=Path, default=WORK / "smollm2-135m-eagle3")
     parser.add_argument("--every-nth", type=int, default=1,
@@ -194,8 +193,7 @@ def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str
     cfg = d["config"]
     ref = evaluation["reference"]  # engine vllm: the top level is vLLM's measurement, "reference" ours
     s = evaluation["settings"]
-    extra = MIX_EXTRA if mix_name == "v2" else {}
-    counts = {name: None if n is None else n + extra.get(name, 0) for name, n in MIX.items()}
+    counts = {name: None if n is None else n + MIX_EXTRA[mix_name].get(name, 0) for name, n in MIX.items()}
     mix = ", ".join(f"{name.removesuffix('.jsonl')} ({'all' if n is None else n})" for name, n in counts.items())
     flag = f" --mix {mix_name}" if mix_name != "v1" else ""
     per_pos = ", ".join(f"{a:.3f}" for a in ref.get("acceptance_per_position", []))
