@@ -73,6 +73,10 @@ class TeacherSettings:
     # 2 cores, the 300 calibration prompts x 64 tokens: 50 s at ~360 tokens/s, against 76 s at ~240 with 16 at a
     # time); features always come from the float32 target.
     generation_dtype: str = "bfloat16"
+    # "transformers": answers from ``generate``, then features from one float32 forward per sequence.
+    # "static": answers and features from the same passes of the generation-dtype copy (``static_decode``: one
+    # preallocated KV cache, no second forward); Llama-family targets only, others fall back to "transformers".
+    engine: str = "transformers"
 
 
 @dataclass
@@ -119,8 +123,11 @@ def target_fingerprint(target_path: Path) -> str:
 
 
 def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSettings) -> str:
+    fields = asdict(settings)
+    if fields["engine"] == "transformers":  # the original engine keeps the keys it had before there was a choice
+        del fields["engine"]
     payload = {"v": CACHE_VERSION, "target": target_fingerprint(target_path), "prompts": prompts_fingerprint(prompts),
-               "settings": asdict(settings)}
+               "settings": fields}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -228,9 +235,23 @@ def build_teacher_data(
     folder = root / key
     if (folder / "manifest.json").exists():
         return load_teacher_data(folder)
-    model, tokenizer = load_target_model(target_path)
     store = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float16 if settings.dtype == "float16" \
         else torch.float32
+    root.mkdir(parents=True, exist_ok=True)
+    work = root / f".{key}.static"
+    if settings.responses == "regenerate" and settings.engine == "static":
+        from slimspec.distill.static_decode import supports
+
+        generator_model, tokenizer = load_target_model(target_path, dtype=getattr(torch, settings.generation_dtype))
+        if supports(generator_model):
+            prefixes = [_chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
+            _static_generate(generator_model, tokenizer, prefixes, settings, work, store, progress)
+            del generator_model
+            sequences = _static_sequences(work, len(prefixes))
+            return _write_teacher_folder(target_path, root, key, folder, settings, num_layers, sequences,
+                                         len(prefixes), store, progress, cleanup=lambda: shutil.rmtree(work))
+        del generator_model
+    model, tokenizer = load_target_model(target_path)
     sequences: list[tuple[list[int], int]] = []
     if settings.responses == "regenerate":
         prefixes = [_chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
@@ -245,7 +266,6 @@ def build_teacher_data(
             bar.update(n)
             bar.set_postfix(tok_s=f"{count[0] / max(time.perf_counter() - start, 1e-9):.0f}")
 
-        root.mkdir(parents=True, exist_ok=True)
         journal = root / f".{key}.responses.jsonl"
         responses = _generate(generator_model, tokenizer, prefixes, settings, tick, journal)
         del generator_model
@@ -259,24 +279,42 @@ def build_teacher_data(
                 continue
             ids, split = _chat_ids(tokenizer, p.text, answer)
             sequences.append((ids[: settings.max_length], split if answer else 0))
+
+    def with_features():
+        for ids, split in sequences:
+            if len(ids) < 3:
+                yield ids, split, None, None
+                continue
+            aux, final = _features(model, ids, settings.aux_layers)
+            yield ids, split, aux, final
+
+    journal = root / f".{key}.responses.jsonl"
+    return _write_teacher_folder(target_path, root, key, folder, settings, num_layers, with_features(), len(sequences),
+                                 store, progress, cleanup=lambda: journal.unlink(missing_ok=True))
+
+
+def _write_teacher_folder(target_path: Path, root: Path, key: str, folder: Path, settings: TeacherSettings,
+                          num_layers: int, sequences, count: int, store: torch.dtype, progress: bool,
+                          cleanup) -> TeacherData:
+    """Shard (ids, split, aux, final) sequences into ``folder`` (atomically), then run ``cleanup``."""
     tmp = root / f".{key}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         chunks: dict[str, list[torch.Tensor]] = {"input_ids": [], "loss_mask": [], "aux": [], "final": []}
         starts, shard_files, shard_tokens, total = [0], [], 0, 0
-        bar = _bar(len(sequences), "target forward (teacher)", progress)
-        for ids, split in sequences:
+        bar = _bar(count, "target forward (teacher)" if settings.engine != "static" else "writing shards", progress)
+        for ids, split, aux, final in sequences:
             if len(ids) < 3:
                 bar.update(1)
                 continue
-            aux, final = _features(model, ids, settings.aux_layers)
             mask = torch.zeros(len(ids), dtype=torch.bool)
             mask[max(split - 1, 0):] = True  # positions whose next tokens are response tokens
             chunks["input_ids"].append(torch.tensor(ids, dtype=torch.long))
             chunks["loss_mask"].append(mask)
             chunks["aux"].append(aux.to(store))
             chunks["final"].append(final.to(store))
+            hidden_size = int(final.shape[-1])
             total += len(ids)
             shard_tokens += len(ids)
             starts.append(total)
@@ -291,17 +329,97 @@ def build_teacher_data(
             raise SlimSpecError("no usable teacher sequences (all prompts empty or too short)")
         manifest = {"version": CACHE_VERSION, "key": key, "target": str(target_path), "num_layers": num_layers,
                     "settings": asdict(settings), "num_sequences": len(starts) - 1, "num_tokens": total,
-                    "starts": starts, "shards": shard_files, "hidden_size": int(final.shape[-1]),
+                    "starts": starts, "shards": shard_files, "hidden_size": hidden_size,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
         (tmp / "manifest.json").write_text(json.dumps(manifest))
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
-        (root / f".{key}.responses.jsonl").unlink(missing_ok=True)
+        cleanup()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return load_teacher_data(folder)
+
+
+def _static_generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSettings, work: Path,
+                     store: torch.dtype, progress: bool) -> None:
+    """Answers and features of every prefix not yet in ``work``, one length-sorted batch per file there.
+
+    ``work/batches.jsonl`` lists finished batches (prompt indices, sequence lengths, prompt lengths), so an
+    interrupted build resumes after the last finished batch with everything it computed kept.
+    """
+    from safetensors import safe_open
+
+    from slimspec.distill.static_decode import static_decode
+
+    work.mkdir(parents=True, exist_ok=True)
+    journal = work / "batches.jsonl"
+    finished: set[int] = set()
+    for row in _journal_rows(journal):
+        if (work / row["file"]).exists():
+            with safe_open(str(work / row["file"]), "pt"):
+                finished.update(row["rows"])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    generator = torch.Generator().manual_seed(settings.seed)
+    order = sorted((i for i in range(len(prefixes)) if i not in finished), key=lambda i: len(prefixes[i]))
+    bar = _bar(len(prefixes), "generating responses + features", progress)
+    bar.update(len(finished))
+    start, tokens = time.perf_counter(), 0
+    batch_no = len(list(work.glob("batch-*.safetensors")))
+    for b in range(0, len(order), settings.generation_batch):
+        idx = order[b:b + settings.generation_batch]
+        results = static_decode(model, [prefixes[i] for i in idx], settings.max_new_tokens,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=pad,
+                                temperature=settings.temperature, generator=generator, capture=settings.aux_layers)
+        ids, aux, final, lengths = [], [], [], []
+        for i, res in zip(idx, results, strict=True):
+            seq = (prefixes[i] + res.response)[: settings.max_length]
+            ids.append(torch.tensor(seq, dtype=torch.long))
+            aux.append(res.aux[: len(seq)].to(store))
+            final.append(res.final[: len(seq)].to(store))
+            lengths.append(len(seq))
+            tokens += len(res.response)
+        name = f"batch-{batch_no:05d}.safetensors"
+        batch_no += 1
+        save_file({"input_ids": torch.cat(ids), "aux": torch.cat(aux), "final": torch.cat(final)}, str(work / name))
+        with journal.open("a") as f:
+            f.write(json.dumps({"file": name, "rows": idx, "lengths": lengths,
+                                "splits": [len(prefixes[i]) for i in idx]}) + "\n")
+        bar.update(len(idx))
+        bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
+    bar.close()
+
+
+def _journal_rows(journal: Path) -> list[dict]:
+    rows = []
+    if journal.exists():
+        for line in journal.read_text().split("\n"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut off by a kill
+    return rows
+
+
+def _static_sequences(work: Path, count: int):
+    """(ids, split, aux, final) of each prompt, in prompt order, read back from ``_static_generate``'s files."""
+    from safetensors import safe_open
+
+    where: dict[int, tuple[str, int, int, int]] = {}
+    for row in _journal_rows(work / "batches.jsonl"):
+        offset = 0
+        for i, length, split in zip(row["rows"], row["lengths"], row["splits"], strict=True):
+            where[i] = (row["file"], offset, length, split)
+            offset += length
+    handles: dict[str, object] = {}
+    for i in range(count):
+        name, a, length, split = where[i]
+        if name not in handles:
+            handles[name] = safe_open(str(work / name), "pt")
+        h = handles[name]
+        ids = h.get_slice("input_ids")[a:a + length].tolist()
+        yield ids, split, h.get_slice("aux")[a:a + length], h.get_slice("final")[a:a + length]
 
 
 def _write_shard(folder: Path, index: int, chunks: dict[str, list[torch.Tensor]]) -> str:
