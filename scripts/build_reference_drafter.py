@@ -66,6 +66,10 @@ def main() -> int:
     parser.add_argument("--mix", choices=sorted(MIX_EXTRA), default="v1",
                         help="prompt mix: v1 (the first build's) or v2 (v1 plus more train/ prompts; the shipped one)")
     parser.add_argument("--resume", action="store_true", help="train: continue from the last checkpoint")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="train: a SlimSpec low-rank head of this rank from the start (default: full-rank head)")
+    parser.add_argument("--engine", choices=["vllm", "reference"], default="vllm",
+                        help="eval: vllm (and the reference decoder) or the reference decoder only")
     parser.add_argument("--out", type=Path, default=WORK / "smollm2-135m-eagle3")
     parser.add_argument("--every-nth", type=int, default=1,
                         help="train: every n-th teacher sequence only (data-scaling point: 1/n of the data)")
@@ -81,14 +85,15 @@ def main() -> int:
     elif args.stage == "train":
         cfg = DistillConfig(steps=args.steps, lr=args.lr, warmup_steps=max(10, args.steps // 30),
                             batch_tokens=args.batch_tokens, ttt_steps=3, save_every=50, eval_every_nth=50)
-        out, result = train_from_scratch(target, args.out, draft_vocab=args.draft_vocab, data_options=options,
+        out, result = train_from_scratch(target, args.out, draft_vocab=args.draft_vocab, rank=args.rank,
+                                         data_options=options,
                                          config=cfg, overwrite=True, resume=args.resume,
                                          every_nth_sequence=args.every_nth)
         print(json.dumps({"out": str(out), **result.summary()}))
     elif args.stage == "eval":
         from slimspec.evaluate.acceptance import evaluate
 
-        report = evaluate(str(args.out), target, engine="vllm", **EVAL)
+        report = evaluate(str(args.out), target, engine=args.engine, **EVAL)
         (args.out / "eval.json").write_text(json.dumps({"settings": EVAL, **report}, indent=1) + "\n")
         print(json.dumps(report))
     elif args.stage == "confidence":

@@ -13,7 +13,8 @@ from typing import Any
 from slimspec.errors import SlimSpecError, first_line
 
 JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "init", "distill_steps", "data",
-            "num_prompts", "responses", "max_new_tokens", "overwrite", "push_to", "eval_prompts", "revision"}
+            "num_prompts", "responses", "max_new_tokens", "overwrite", "push_to", "eval_prompts", "revision",
+            "generation_engine"}
 SETTINGS = ("drafter", "target", "rank", "vocab", "dtype", "stitch", "init", "distill_steps", "data", "num_prompts",
             "responses", "max_new_tokens", "revision")
 
@@ -76,6 +77,8 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
 def job_fingerprint(job: dict[str, Any]) -> str:
     """Hash of the settings that decide a job's output (not its name, out, overwrite or push)."""
     payload = {k: job.get(k) for k in SETTINGS}
+    if job.get("generation_engine", "transformers") != "transformers":  # absent: the fingerprints jobs always had
+        payload["generation_engine"] = job["generation_engine"]
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -108,7 +111,8 @@ def run_job(job: dict[str, Any]) -> JobResult:
     else:
         options = DataOptions(data=job.get("data"), num_prompts=job.get("num_prompts"),
                               responses=job.get("responses", "regenerate"),
-                              max_new_tokens=int(job.get("max_new_tokens", 128)))
+                              max_new_tokens=int(job.get("max_new_tokens", 128)),
+                              engine=job.get("generation_engine", "transformers"))
         result = convert(str(job["drafter"]), job.get("target"), job.get("rank", "d/8"), vocab=job.get("vocab", "full"),
                          out=out, dtype=job.get("dtype"), overwrite=True, revision=job.get("revision"),
                          progress=False, stitch=job.get("stitch", "target"), init=job.get("init", "auto"),

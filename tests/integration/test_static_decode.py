@@ -130,3 +130,32 @@ def test_static_engine_teacher_data(tiny_target, tmp_path, monkeypatch):
     assert torch.equal(data.loss_mask, plain.loss_mask)
     torch.testing.assert_close(data.aux.float(), plain.aux.float(), atol=2e-2, rtol=1e-2)  # both stored as bf16
     torch.testing.assert_close(data.final.float(), plain.final.float(), atol=2e-2, rtol=1e-2)
+
+
+def test_cli_generation_engine_reaches_the_teacher(tiny_converted, tiny_target, tmp_path, monkeypatch):
+    """Catches `--generation-engine static` dropped on the way from the CLI to the teacher data (the cache
+    manifest records the engine that built it), and an unknown engine accepted silently."""
+    import json
+
+    from click.testing import CliRunner
+
+    from slimspec.cli import main
+
+    monkeypatch.setenv("SLIMSPEC_TEACHER_CACHE", str(tmp_path / "cache"))
+    args = ["distill", str(tiny_converted), "-t", str(tiny_target), "--steps", "2", "--num-prompts", "3",
+            "--max-new-tokens", "6", "--batch-tokens", "32", "-q", "--generation-engine", "static"]
+    result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    manifests = [json.loads(p.read_text()) for p in (tmp_path / "cache").glob("*/manifest.json")]
+    assert [m["settings"]["engine"] for m in manifests] == ["static"]
+    with pytest.raises(Exception, match="generation engine must be"):
+        build_teacher_data(tiny_target, [Prompt("a", "hi")], TeacherSettings(engine="fast"), cache_root=tmp_path)
+
+
+def test_batch_fingerprints_without_an_engine_are_unchanged():
+    """Catches a new job key that changes every existing job's fingerprint (finished outputs would all rerun)."""
+    from slimspec.batch import job_fingerprint
+
+    job = {"drafter": "d", "target": "t", "rank": "d/8"}
+    assert job_fingerprint(job) == job_fingerprint({**job, "generation_engine": "transformers"})
+    assert job_fingerprint(job) != job_fingerprint({**job, "generation_engine": "static"})

@@ -41,6 +41,7 @@ class DataOptions:
     max_length: int = 1024
     aux_layers: list[int] | None = None
     aux_convention: str | None = None
+    engine: str = "transformers"  # TeacherSettings.engine: "static" decodes and takes features in the same passes
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -87,7 +88,7 @@ def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptio
                             else "override", target.num_layers, options.aux_convention)
     settings = TeacherSettings(responses=options.responses, max_new_tokens=options.max_new_tokens,
                                temperature=options.temperature, max_length=options.max_length,
-                               aux_layers=tuple(layers))
+                               aux_layers=tuple(layers), engine=options.engine)
     prompts = load_prompts(options.data, limit=options.num_prompts)
     return build_teacher_data(target.path, prompts, settings, progress=progress)
 

@@ -27,7 +27,8 @@ def scratch_teacher(parts: TargetParts, options: DataOptions, progress: bool) ->
 
     settings = TeacherSettings(responses=options.responses, max_new_tokens=options.max_new_tokens,
                                temperature=options.temperature, max_length=options.max_length,
-                               aux_layers=tuple(options.aux_layers or default_aux_layers(parts.num_layers)))
+                               aux_layers=tuple(options.aux_layers or default_aux_layers(parts.num_layers)),
+                               engine=options.engine)
     prompts = load_prompts(options.data, limit=options.num_prompts)
     return build_teacher_data(parts.path, prompts, settings, progress=progress), settings
 

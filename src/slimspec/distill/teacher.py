@@ -124,7 +124,7 @@ def target_fingerprint(target_path: Path) -> str:
 
 def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSettings) -> str:
     fields = asdict(settings)
-    if fields["engine"] == "transformers":  # the original engine keeps the keys it had before there was a choice
+    if fields["engine"] == "transformers" or fields["responses"] != "regenerate":  # keys as before the choice
         del fields["engine"]
     payload = {"v": CACHE_VERSION, "target": target_fingerprint(target_path), "prompts": prompts_fingerprint(prompts),
                "settings": fields}
@@ -225,6 +225,8 @@ def build_teacher_data(
     """Teacher data for ``prompts`` (from the cache when the same target, data and settings were used)."""
     from slimspec.embedded import cache_dir
 
+    if settings.engine not in ("transformers", "static"):
+        raise SlimSpecError(f"generation engine must be 'transformers' or 'static', got {settings.engine!r}")
     target_path = Path(target_path)
     config = json.loads((target_path / "config.json").read_text())
     num_layers = int(config.get("num_hidden_layers") or config.get("text_config", {}).get("num_hidden_layers"))
@@ -433,8 +435,19 @@ def _write_shard(folder: Path, index: int, chunks: dict[str, list[torch.Tensor]]
 def load_teacher_data(folder: Path) -> TeacherData:
     """Read a cached teacher-data folder."""
     manifest = json.loads((folder / "manifest.json").read_text())
-    parts = [load_file(str(folder / name)) for name in manifest["shards"]]
-    cat = {k: torch.cat([p[k] for p in parts]) for k in ("input_ids", "loss_mask", "aux", "final")}
+    cat: dict[str, torch.Tensor] = {}
+    at = 0
+    for name in manifest["shards"]:  # one shard in memory at a time: the peak stays ~1x the data, not 2x
+        part = load_file(str(folder / name))
+        n = int(part["input_ids"].shape[0])
+        for k in ("input_ids", "loss_mask", "aux", "final"):
+            if k not in cat:
+                cat[k] = torch.empty((int(manifest["num_tokens"]), *part[k].shape[1:]), dtype=part[k].dtype)
+            cat[k][at:at + n] = part[k]
+        at += n
+        del part
+    if at != int(manifest["num_tokens"]):
+        raise SlimSpecError(f"{folder}: shards hold {at} tokens, the manifest says {manifest['num_tokens']}")
     return TeacherData(starts=torch.tensor(manifest["starts"], dtype=torch.long), manifest=manifest, folder=folder,
                        **cat)
 
