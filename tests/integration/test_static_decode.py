@@ -159,3 +159,21 @@ def test_batch_fingerprints_without_an_engine_are_unchanged():
     job = {"drafter": "d", "target": "t", "rank": "d/8"}
     assert job_fingerprint(job) == job_fingerprint({**job, "generation_engine": "transformers"})
     assert job_fingerprint(job) != job_fingerprint({**job, "generation_engine": "static"})
+
+
+def test_supports_only_what_it_models():
+    """Catches the static loop taken for architectures it does not model (other layer layouts, or a sliding
+    window shorter than the sequences): those must fall back to ``generate``."""
+    from types import SimpleNamespace as NS
+
+    base = NS(embed_tokens=1, layers=[], norm=1, rotary_emb=1)
+
+    def model(**cfg):
+        return NS(config=NS(**cfg), base_model=base)
+
+    assert supports(model(model_type="llama"), 4096)
+    assert not supports(model(model_type="gpt2"), 16)
+    assert not supports(model(model_type="mistral", sliding_window=64), 100)
+    assert supports(model(model_type="mistral", sliding_window=4096), 100)
+    assert supports(model(model_type="qwen2", sliding_window=64, use_sliding_window=False), 100)
+    assert not supports(NS(config=NS(model_type="llama"), base_model=NS(layers=[])), 16)

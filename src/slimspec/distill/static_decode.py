@@ -1,10 +1,10 @@
 """Batched decoding of a Llama-family target with a static KV cache, capturing the drafter's features.
 
-transformers' ``generate`` spends most of its time on a 2-core CPU outside the model's matmuls (growing
-caches, masks, logits processors); this loop runs the same modules of the same model over one preallocated
-cache per layer, so each step costs the model's own work. Because every generated token passes through
-the target once, the teacher features of the whole sequence (aux hidden states and the final normed
-state, as ``teacher._features`` computes them) come out of the same passes: no second forward.
+transformers' ``generate`` regrows its caches and masks at every step; this loop runs the same modules of
+the same model over one preallocated cache per layer (on 2 cores, SmolLM2-135M in bf16 at 64 prompts a
+batch: ~620 against ~310 answer tokens/s). And because every token passes through the target once, the
+teacher features of the whole sequence (aux hidden states and the final normed state, as
+``teacher._features`` computes them) come out of the same passes: no second forward.
 
 Supported: decoder layers with ``self_attn.{q,k,v,o}_proj`` (optional ``q_norm``/``k_norm``, biases),
 ``input_layernorm``, ``post_attention_layernorm`` and a gated ``mlp``, with the model's own rotary
@@ -32,11 +32,14 @@ class DecodedSequence:
     final: Tensor | None = None  # [T, H] final normed hidden state
 
 
-def supports(model) -> bool:
-    """Whether ``model`` (a transformers causal LM) has the layer structure this loop runs."""
+def supports(model, length: int = 0) -> bool:
+    """Whether ``model`` (a transformers causal LM) has the layer structure this loop runs, for sequences of up
+    to ``length`` tokens (full attention only: a sliding window shorter than that is not modelled)."""
     cfg = model.config
-    if getattr(cfg, "model_type", None) not in SUPPORTED_TYPES or getattr(cfg, "sliding_window", None) and \
-            getattr(cfg, "use_sliding_window", False):
+    if getattr(cfg, "model_type", None) not in SUPPORTED_TYPES:
+        return False
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral") and length > window:
         return False
     base = model.base_model
     return all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb"))

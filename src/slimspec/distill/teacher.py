@@ -245,7 +245,7 @@ def build_teacher_data(
         from slimspec.distill.static_decode import supports
 
         generator_model, tokenizer = load_target_model(target_path, dtype=getattr(torch, settings.generation_dtype))
-        if supports(generator_model):
+        if supports(generator_model, settings.max_length + settings.max_new_tokens):
             prefixes = [_chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
             _static_generate(generator_model, tokenizer, prefixes, settings, work, store, progress)
             del generator_model
