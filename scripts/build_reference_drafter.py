@@ -26,11 +26,43 @@ MIX = {"oasst_prompts.jsonl": None, "vicuna_bench.jsonl": None, "self_instruct_s
 # Prompts each mix adds to MIX. v2: more of each sampled file (1.7x the prompts; a data-scaling step for issue 5)
 MIX_EXTRA = {"v1": {}, "v2": {"gpteacher_roleplay.jsonl": 600, "gpteacher_codegen.jsonl": 600, "mbpp.jsonl": 274,
                               "gsm8k_train.jsonl": 600, "svamp.jsonl": 200}}
+# Later mixes keep their parent's prompts and draw more from what the parent left (v3: all of roleplay and svamp,
+# +1500 codegen, +1500 gsm8k: ~1.8x v2's prompts).
+MIX_MORE = {"v3": ("v2", {"gpteacher_roleplay.jsonl": 723, "gpteacher_codegen.jsonl": 1500,
+                          "gsm8k_train.jsonl": 1500, "svamp.jsonl": 650})}
+MIX_ENGINE = {"v3": "static"}  # teacher engine per mix (v1, v2: transformers' generate + a float32 forward)
+MIXES = sorted([*MIX_EXTRA, *MIX_MORE])
 WORK = ROOT / "out" / "reference"
 
 
 def compose_prompts(path: Path, mix: str = "v1") -> Path:
-    """The build's prompt file: ``MIX`` plus the mix's ``MIX_EXTRA`` (v1's rows first, the extra ones after)."""
+    """The build's prompt file: ``MIX`` plus the mix's ``MIX_EXTRA`` (v1's rows first, the extra ones after), or
+    a ``MIX_MORE`` mix: its parent's rows, then more drawn from what the parent left."""
+    rows, pools = _mix_rows(mix)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": r["id"], "turns": r["turns"][:1]}) + "\n" for r in rows))
+    return path
+
+
+def mix_counts(mix: str) -> dict[str, int | None]:
+    """Prompts per train/ file in a mix (None: all of the file)."""
+    if mix in MIX_MORE:
+        parent, more = MIX_MORE[mix]
+        return {name: n if n is None else n + more.get(name, 0) for name, n in mix_counts(parent).items()}
+    return {name: None if n is None else n + MIX_EXTRA[mix].get(name, 0) for name, n in MIX.items()}
+
+
+def _mix_rows(mix: str) -> tuple[list[dict], dict[str, list[dict]]]:
+    if mix in MIX_MORE:
+        parent, more = MIX_MORE[mix]
+        rows, pools = _mix_rows(parent)
+        rng = random.Random(7)
+        for name, count in more.items():
+            chosen = rng.sample(pools[name], min(count, len(pools[name])))
+            rows += chosen
+            taken = {r["id"] for r in chosen}
+            pools[name] = [r for r in pools[name] if r["id"] not in taken]
+        return rows, pools
     rng = random.Random(5)
     rows, pools = [], {}
     for name, count in MIX.items():
@@ -41,10 +73,11 @@ def compose_prompts(path: Path, mix: str = "v1") -> Path:
         pools[name] = [r for r in data if r["id"] not in taken]
     extra = random.Random(6)
     for name, count in MIX_EXTRA[mix].items():
-        rows += extra.sample(pools[name], min(count, len(pools[name])))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"id": r["id"], "turns": r["turns"][:1]}) + "\n" for r in rows))
-    return path
+        chosen = extra.sample(pools[name], min(count, len(pools[name])))
+        rows += chosen
+        taken = {r["id"] for r in chosen}
+        pools[name] = [r for r in pools[name] if r["id"] not in taken]
+    return rows, pools
 
 
 PACKAGED = ROOT / "src" / "slimspec" / "data" / "smollm2-135m-eagle3"
@@ -63,8 +96,9 @@ def main() -> int:
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--draft-vocab", type=int, default=8192)
-    parser.add_argument("--mix", choices=sorted(MIX_EXTRA), default="v1",
-                        help="prompt mix: v1 (the first build's) or v2 (v1 plus more train/ prompts; the shipped one)")
+    parser.add_argument("--mix", choices=MIXES, default="v1",
+                        help="prompt mix: v1 (the first build's), v2 (v1 plus more train/ prompts; the shipped one), "
+                             "v3 (v2 plus more; teacher data from the static engine)")
     parser.add_argument("--resume", action="store_true", help="train: continue from the last checkpoint")
     parser.add_argument("--rank", type=int, default=None,
                         help="train: a SlimSpec low-rank head of this rank from the start (default: full-rank head)")
@@ -77,7 +111,8 @@ def main() -> int:
                         help="curve: where to write the curve (default: the packaged tau_curve.json)")
     args = parser.parse_args()
     prompts = compose_prompts(WORK / f"prompts-{args.mix}.jsonl", args.mix)
-    options = DataOptions(data=str(prompts), responses="regenerate", max_new_tokens=128, max_length=768)
+    options = DataOptions(data=str(prompts), responses="regenerate", max_new_tokens=128, max_length=768,
+                          engine=MIX_ENGINE.get(args.mix, "transformers"))
     target = "embedded:smollm2-135m"
     if args.stage == "teacher":
         teacher, _ = scratch_teacher(load_target_parts(target), options, progress=True)
@@ -198,10 +233,12 @@ def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str
     cfg = d["config"]
     ref = evaluation["reference"]  # engine vllm: the top level is vLLM's measurement, "reference" ours
     s = evaluation["settings"]
-    counts = {name: None if n is None else n + MIX_EXTRA[mix_name].get(name, 0) for name, n in MIX.items()}
+    counts = mix_counts(mix_name)
     mix = ", ".join(f"{name.removesuffix('.jsonl')} ({'all' if n is None else n})" for name, n in counts.items())
     flag = f" --mix {mix_name}" if mix_name != "v1" else ""
     per_pos = ", ".join(f"{a:.3f}" for a in ref.get("acceptance_per_position", []))
+    features = ("from the same bf16 passes (`--generation-engine static`)"
+                if training["teacher"].get("engine") == "static" else "from one fp32 target forward")
     return f"""---
 library_name: slimspec
 base_model: HuggingFaceTB/SmolLM2-135M-Instruct
@@ -240,7 +277,7 @@ python scripts/build_reference_drafter.py --stage publish{flag}
 ```
 Data: first turns of prompts from `shared/data/train/` (never eval/): {mix}; seed 5. Answers regenerated
 by the target ({training["teacher"]["max_new_tokens"]} new tokens, greedy, bf16 copy), features
-(layers {training["teacher"]["aux_layers"]}) from one fp32 target forward.
+(layers {training["teacher"]["aux_layers"]}) {features}.
 Training: {cfg["steps"]} AdamW steps of {cfg["batch_tokens"]} positions, lr {cfg["lr"]} (warmup
 {cfg["warmup_steps"]}, cosine to 10 %), {cfg["ttt_steps"]} TTT steps weighted {cfg["decay"]}^i, KL to the target's
 distribution over the draft vocabulary; {d["seconds"] / 60:.0f} min on 2 CPU cores ({d["tokens_per_second"]:.0f}
