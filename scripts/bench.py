@@ -325,29 +325,37 @@ def main() -> int:
         "side by side in this run, not absolute times.",
         "",
     ]
-    sections = _existing_sections(Path(args.out))
+    fresh = {}
     for name in args.only or SECTIONS:
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
         lines = SECTIONS[name]()
-        sections[lines[0]] = lines
+        fresh[lines[0]] = lines
         print("\n".join(lines))
+    # Read the file only now, so edits made while a long section ran survive; keep its notes under the header.
+    preamble, sections = _existing_sections(Path(args.out))
+    sections.update(fresh)
     body = [line for lines in sections.values() for line in lines]
-    Path(args.out).write_text("\n".join(header + body))
+    Path(args.out).write_text("\n".join(header + preamble + body))
     return 0
 
 
-def _existing_sections(path: Path) -> dict[str, list[str]]:
-    """Sections (by their '## ' heading) of an existing BENCHMARKS.md, so `--only` updates just its own."""
+def _existing_sections(path: Path) -> tuple[list[str], dict[str, list[str]]]:
+    """Notes between the header and the first section, and the sections (by their '## ' heading) of an existing
+    BENCHMARKS.md, so `--only` updates just its own sections and keeps the rest."""
+    preamble: list[str] = []
     sections: dict[str, list[str]] = {}
     current = None
     if path.exists():
-        for line in path.read_text().split("\n"):
+        for line in path.read_text().split("\n")[1:]:
             if line.startswith("## "):
                 current = line
                 sections[current] = []
             if current is not None:
                 sections[current].append(line)
-    return sections
+            elif not line.startswith("Written by `make bench`"):
+                preamble.append(line)
+    text = "\n".join(preamble).strip("\n")
+    return (text.split("\n") + [""] if text else []), sections
 
 
 if __name__ == "__main__":
