@@ -126,8 +126,7 @@ def static_decode(model, prefixes: list[list[int]], max_new_tokens: int, *, eos_
         valid[row, width - len(p):width] = True
     lengths = torch.tensor([len(p) for p in prefixes])
     positions = (torch.arange(width)[None] - (width - lengths)[:, None]).clamp(min=0)
-    slot = torch.arange(capacity)
-    causal = slot[None, :width] <= torch.arange(width)[:, None]  # [width, width]
+    causal = torch.arange(width)[None] <= torch.arange(width)[:, None]  # [query, key]
     # Left-padding rows see only themselves, so their (unused) states stay finite.
     mask = ((causal[None] & valid[:, None, :width]) | torch.eye(width, dtype=torch.bool)[None])[:, None]
     capture = tuple(capture or ())
