@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from slimspec.model import apply_rope
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -45,9 +47,11 @@ def supports(model, length: int = 0) -> bool:
     return all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb"))
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _attention_shape(cfg) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) of a transformers config."""
+    heads = cfg.num_attention_heads
+    return heads, getattr(cfg, "num_key_value_heads", None) or heads, getattr(cfg, "head_dim", None) or \
+        cfg.hidden_size // heads
 
 
 class _StaticCache:
@@ -68,8 +72,7 @@ def _layer(layer, x: Tensor, cos: Tensor, sin: Tensor, cache: _StaticCache, inde
     v = attn.v_proj(h).view(b, t, kv_heads, head_dim).transpose(1, 2)
     if getattr(attn, "q_norm", None) is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     end = start + t
     cache.k[index][:, :, start:end] = k
     cache.v[index][:, :, start:end] = v
@@ -85,12 +88,9 @@ def _forward(model, ids: Tensor, positions: Tensor, cache: _StaticCache, start: 
     hidden states in ``capture`` as transformers' ``output_hidden_states`` indexes them (i < L: the input of
     layer i; L: the final normed output)."""
     base, cfg = model.base_model, model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    heads, kv_heads, head_dim = _attention_shape(cfg)
     x = base.embed_tokens(ids)
     cos, sin = base.rotary_emb(x, positions)
-    cos, sin = cos[:, None], sin[:, None]
     states = {}
     for i, layer in enumerate(base.layers[: cfg.num_hidden_layers]):
         if i in capture:
@@ -114,9 +114,7 @@ def static_decode(model, prefixes: list[list[int]], max_new_tokens: int, *, eos_
     cfg = model.config
     batch, width = len(prefixes), max(len(p) for p in prefixes)
     capacity = width + max_new_tokens
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    _, kv_heads, head_dim = _attention_shape(cfg)
     dtype = model.base_model.embed_tokens.weight.dtype
     cache = _StaticCache(cfg.num_hidden_layers, batch, kv_heads, capacity, head_dim, dtype)
     ids = torch.full((batch, width), pad_token_id, dtype=torch.long)

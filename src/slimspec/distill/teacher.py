@@ -240,7 +240,8 @@ def build_teacher_data(
     store = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float16 if settings.dtype == "float16" \
         else torch.float32
     root.mkdir(parents=True, exist_ok=True)
-    work = root / f".{key}.static"
+    work = root / f".{key}.static"  # the static engine's finished batches
+    journal = root / f".{key}.responses.jsonl"  # the transformers engine's finished answers
     if settings.responses == "regenerate" and settings.engine == "static":
         from slimspec.distill.static_decode import supports
 
@@ -268,7 +269,6 @@ def build_teacher_data(
             bar.update(n)
             bar.set_postfix(tok_s=f"{count[0] / max(time.perf_counter() - start, 1e-9):.0f}")
 
-        journal = root / f".{key}.responses.jsonl"
         responses = _generate(generator_model, tokenizer, prefixes, settings, tick, journal)
         del generator_model
         bar.close()
@@ -290,7 +290,6 @@ def build_teacher_data(
             aux, final = _features(model, ids, settings.aux_layers)
             yield ids, split, aux, final
 
-    journal = root / f".{key}.responses.jsonl"
     return _write_teacher_folder(target_path, root, key, folder, settings, num_layers, with_features(), len(sequences),
                                  store, progress, cleanup=lambda: journal.unlink(missing_ok=True))
 
