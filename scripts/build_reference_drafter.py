@@ -38,7 +38,7 @@ WORK = ROOT / "out" / "reference"
 def compose_prompts(path: Path, mix: str = "v1") -> Path:
     """The build's prompt file: ``MIX`` plus the mix's ``MIX_EXTRA`` (v1's rows first, the extra ones after), or
     a ``MIX_MORE`` mix: its parent's rows, then more drawn from what the parent left."""
-    rows, pools = _mix_rows(mix)
+    rows, _ = _mix_rows(mix)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"id": r["id"], "turns": r["turns"][:1]}) + "\n" for r in rows))
     return path
@@ -56,13 +56,7 @@ def _mix_rows(mix: str) -> tuple[list[dict], dict[str, list[dict]]]:
     if mix in MIX_MORE:
         parent, more = MIX_MORE[mix]
         rows, pools = _mix_rows(parent)
-        rng = random.Random(7)
-        for name, count in more.items():
-            chosen = rng.sample(pools[name], min(count, len(pools[name])))
-            rows += chosen
-            taken = {r["id"] for r in chosen}
-            pools[name] = [r for r in pools[name] if r["id"] not in taken]
-        return rows, pools
+        return rows + _draw(pools, more, random.Random(7)), pools
     rng = random.Random(5)
     rows, pools = [], {}
     for name, count in MIX.items():
@@ -71,13 +65,18 @@ def _mix_rows(mix: str) -> tuple[list[dict], dict[str, list[dict]]]:
         rows += chosen
         taken = {r["id"] for r in chosen}
         pools[name] = [r for r in data if r["id"] not in taken]
-    extra = random.Random(6)
-    for name, count in MIX_EXTRA[mix].items():
-        chosen = extra.sample(pools[name], min(count, len(pools[name])))
-        rows += chosen
+    return rows + _draw(pools, MIX_EXTRA[mix], random.Random(6)), pools
+
+
+def _draw(pools: dict[str, list[dict]], counts: dict[str, int], rng: random.Random) -> list[dict]:
+    """``counts[name]`` rows sampled from each pool (fewer if it runs out), taken out of the pool."""
+    drawn = []
+    for name, count in counts.items():
+        chosen = rng.sample(pools[name], min(count, len(pools[name])))
         taken = {r["id"] for r in chosen}
         pools[name] = [r for r in pools[name] if r["id"] not in taken]
-    return rows, pools
+        drawn += chosen
+    return drawn
 
 
 PACKAGED = ROOT / "src" / "slimspec" / "data" / "smollm2-135m-eagle3"
