@@ -434,7 +434,7 @@ def _static_sequences(work: Path, count: int):
 def load_teacher_data(folder: Path) -> TeacherData:
     """Read a cached teacher-data folder.
 
-    Layout "rows" (caches written since session 9): ``aux`` and ``final`` are memory-mapped from their row files
+    Layout "rows" (what ``_write_teacher_folder`` writes): ``aux`` and ``final`` are memory-mapped from their row files
     (copy-on-write, never written back), so a cache larger than RAM trains from the page cache. Older caches
     (safetensors shards holding everything) are read into memory, one shard at a time.
     """
