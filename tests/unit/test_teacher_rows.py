@@ -17,19 +17,25 @@ from slimspec.distill.teacher import (
 from slimspec.errors import SlimSpecError
 
 
+def _sequence(n: int, index: int, aux_width: int, final_width: int, seed: int = 0):
+    """Sequence ``index``: (ids, split, aux, final) like the teacher builders yield them, float32 states (stored as
+    bf16), from its own seed so any one can be regenerated without the others."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + index)
+    ids = torch.randint(0, 1000, (n,), generator=gen).tolist()
+    return ids, n // 3, torch.randn(n, aux_width, generator=gen), torch.randn(n, final_width, generator=gen)
+
+
 def _sequences(lengths: list[int], aux_width: int, final_width: int, seed: int = 0):
-    """(ids, split, aux, final) like the teacher builders yield them, float32 states (stored as bf16)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for n in lengths:
-        ids = torch.randint(0, 1000, (n,), generator=gen).tolist()
-        out.append((ids, n // 3, torch.randn(n, aux_width, generator=gen), torch.randn(n, final_width, generator=gen)))
-    return out
+    """The sequences of ``lengths``, one at a time (the builders stream them too)."""
+    for index, n in enumerate(lengths):
+        yield _sequence(n, index, aux_width, final_width, seed)
 
 
-def _write(tmp_path: Path, sequences, key: str = "k") -> TeacherData:
-    return _write_teacher_folder(Path("target"), tmp_path, key, tmp_path / key, TeacherSettings(), 4, iter(sequences),
-                                 len(sequences), torch.bfloat16, False, cleanup=lambda: None)
+def _write(tmp_path: Path, lengths: list[int], aux_width: int, final_width: int, seed: int = 0,
+           key: str = "k") -> TeacherData:
+    return _write_teacher_folder(Path("target"), tmp_path, key, tmp_path / key, TeacherSettings(), 4,
+                                 _sequences(lengths, aux_width, final_width, seed), len(lengths), torch.bfloat16,
+                                 False, cleanup=lambda: None)
 
 
 def _rss_bytes() -> int:
@@ -42,8 +48,9 @@ def _rss_bytes() -> int:
 def test_rows_round_trip_per_sequence(tmp_path):
     """Catches rows written out of step with the offsets (a sequence would read its neighbour's states), the
     loss mask's off-by-one (positions from split - 1 on), and short sequences (< 3 tokens) that must be dropped."""
-    seqs = _sequences([7, 2, 11, 5], aux_width=12, final_width=4)
-    data = _write(tmp_path, seqs)
+    lengths = [7, 2, 11, 5]
+    data = _write(tmp_path, lengths, aux_width=12, final_width=4)
+    seqs = list(_sequences(lengths, aux_width=12, final_width=4))
     assert data.manifest["layout"] == "rows" and len(data) == 3 and data.num_tokens == 7 + 11 + 5
     for i, (ids, split, aux, final) in enumerate(s for s in seqs if len(s[0]) >= 3):
         got = data.sequence(i)
@@ -58,30 +65,21 @@ def test_rows_are_mapped_not_read_into_memory(tmp_path):
     """Catches a loader that reads the hidden states into RAM (a cache larger than memory would be killed):
     loading 256 MiB of rows must not grow the resident set by more than a fraction of that."""
     lengths = [1000] * 128  # 128k tokens x (896 + 128) bf16 = 256 MiB
-    gen = torch.Generator().manual_seed(1)
-
-    def sequences():
-        for n in lengths:
-            yield list(range(n)), 10, torch.randn(n, 896, generator=gen), torch.randn(n, 128, generator=gen)
-
-    _write_teacher_folder(Path("target"), tmp_path, "big", tmp_path / "big", TeacherSettings(), 4, sequences(),
-                          len(lengths), torch.bfloat16, False, cleanup=lambda: None)
+    _write(tmp_path, lengths, aux_width=896, final_width=128, seed=1, key="big")
     assert (tmp_path / "big" / "aux.rows").stat().st_size == 128_000 * 896 * 2
     before = _rss_bytes()
     data = load_teacher_data(tmp_path / "big")
     grown = _rss_bytes() - before
     assert data.aux.shape == (128_000, 896) and data.aux.dtype == torch.bfloat16
     assert grown < 32 * 2**20, f"loading grew RSS by {grown / 2**20:.0f} MiB"
-    # the mapped rows are the written ones: the last sequence, regenerated from the same seed stream
-    gen.manual_seed(1)
-    for _ in range(len(lengths) - 1):
-        torch.randn(1000, 896, generator=gen), torch.randn(1000, 128, generator=gen)
-    assert torch.equal(data.sequence(127)["aux"], torch.randn(1000, 896, generator=gen).to(torch.bfloat16))
+    _, _, aux, final = _sequence(1000, 127, 896, 128, seed=1)  # the mapped rows are the written ones
+    last = data.sequence(127)
+    assert torch.equal(last["aux"], aux.to(torch.bfloat16)) and torch.equal(last["final"], final.to(torch.bfloat16))
 
 
 def test_damaged_rows_file_is_refused(tmp_path):
     """Catches a truncated row file (a killed copy, a full disk) read as if whole: it would map past the end."""
-    _write(tmp_path, _sequences([6, 9], aux_width=8, final_width=4))
+    _write(tmp_path, [6, 9], aux_width=8, final_width=4)
     rows = tmp_path / "k" / "aux.rows"
     rows.write_bytes(rows.read_bytes()[:-16])
     with pytest.raises(SlimSpecError, match="damaged"):
@@ -91,8 +89,7 @@ def test_damaged_rows_file_is_refused(tmp_path):
 def test_old_shard_caches_still_load(tmp_path):
     """Catches a loader that only knows the new layout: caches written before it (safetensors shards holding ids,
     mask and states) must load with the same values, so nobody regenerates hours of teacher data."""
-    seqs = _sequences([5, 8, 6], aux_width=6, final_width=3, seed=2)
-    new = _write(tmp_path, seqs)
+    new = _write(tmp_path, [5, 8, 6], aux_width=6, final_width=3, seed=2)
     old = tmp_path / "old"
     old.mkdir()
     cut = int(new.starts[2])  # two shards, split between sequences
