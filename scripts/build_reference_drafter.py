@@ -17,6 +17,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data" / "train"
@@ -30,8 +31,13 @@ MIX_EXTRA = {"v1": {}, "v2": {"gpteacher_roleplay.jsonl": 600, "gpteacher_codege
 # +1500 codegen, +1500 gsm8k: ~1.8x v2's prompts).
 MIX_MORE = {"v3": ("v2", {"gpteacher_roleplay.jsonl": 723, "gpteacher_codegen.jsonl": 1500,
                           "gsm8k_train.jsonl": 1500, "svamp.jsonl": 650})}
-MIX_ENGINE = {"v3": "static"}  # teacher engine per mix (v1, v2: transformers' generate + a float32 forward)
-MIXES = sorted([*MIX_EXTRA, *MIX_MORE])
+MIX_ENGINE = {"v3": "static", "v4": "static"}  # teacher engine per mix (v1, v2: generate + a float32 forward)
+# v4: v3's teacher cache plus more caches of its own (each built in turn, each resumable): greedy answers to the
+# train/ prompts v3 left (codegen, gsm8k), then one answer sampled at T=0.7 to every train/ prompt, in two halves.
+# Training warm-starts from the v3 drafter on all of them at once (concat_teacher_data: nothing is copied).
+# Part: (name, temperature, seed).
+MIX_PARTS = {"v4": ("v3", [("rest", 0.0, 0), ("sampled-a", 0.7, 1), ("sampled-b", 0.7, 2)])}
+MIXES = sorted([*MIX_EXTRA, *MIX_MORE, *MIX_PARTS])
 WORK = ROOT / "out" / "reference"
 
 
@@ -44,8 +50,21 @@ def compose_prompts(path: Path, mix: str = "v1") -> Path:
     return path
 
 
+def part_rows(part: str) -> list[dict]:
+    """Prompts of a v4 part: ``rest`` (the train/ prompts v3 left), ``sampled-a``/``-b`` (every other train/ prompt,
+    v3's first, then the rest)."""
+    v3_rows, pools = _mix_rows("v3")
+    rest = [r for name in MIX for r in pools[name]]
+    if part == "rest":
+        return rest
+    every = v3_rows + rest
+    return every[0::2] if part == "sampled-a" else every[1::2]
+
+
 def mix_counts(mix: str) -> dict[str, int | None]:
     """Prompts per train/ file in a mix (None: all of the file)."""
+    if mix in MIX_PARTS:
+        return mix_counts(MIX_PARTS[mix][0])
     if mix in MIX_MORE:
         parent, more = MIX_MORE[mix]
         return {name: n if n is None else n + more.get(name, 0) for name, n in mix_counts(parent).items()}
@@ -106,16 +125,30 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=WORK / "smollm2-135m-eagle3")
     parser.add_argument("--every-nth", type=int, default=1,
                         help="train: every n-th teacher sequence only (data-scaling point: 1/n of the data)")
+    parser.add_argument("--init", type=Path, default=None,
+                        help="train, parted mixes (v4): the drafter to continue from (default: out/reference's "
+                             "build of the base mix, e.g. smollm2-135m-eagle3-v3)")
     parser.add_argument("--curve-out", type=Path, default=None,
                         help="curve: where to write the curve (default: the packaged tau_curve.json)")
     args = parser.parse_args()
-    prompts = compose_prompts(WORK / f"prompts-{args.mix}.jsonl", args.mix)
+    base = MIX_PARTS[args.mix][0] if args.mix in MIX_PARTS else args.mix
+    prompts = compose_prompts(WORK / f"prompts-{base}.jsonl", base)
     options = DataOptions(data=str(prompts), responses="regenerate", max_new_tokens=128, max_length=768,
-                          engine=MIX_ENGINE.get(args.mix, "transformers"))
+                          engine=MIX_ENGINE.get(base, "transformers"))
     target = "embedded:smollm2-135m"
-    if args.stage == "teacher":
+    if args.stage == "teacher" and args.mix in MIX_PARTS:
+        for teacher in mix_teachers(args.mix, options, load_target_parts(target)):
+            print(json.dumps({"sequences": len(teacher), "tokens": teacher.num_tokens, "cache": str(teacher.folder)}))
+    elif args.stage == "teacher":
         teacher, _ = scratch_teacher(load_target_parts(target), options, progress=True)
         print(json.dumps({"sequences": len(teacher), "tokens": teacher.num_tokens, "cache": str(teacher.folder)}))
+    elif args.stage == "train" and args.mix in MIX_PARTS:
+        cfg = DistillConfig(steps=args.steps, lr=args.lr, warmup_steps=max(10, args.steps // 30),
+                            batch_tokens=args.batch_tokens, ttt_steps=3, save_every=50, eval_every_nth=50,
+                            train_backbone=True)
+        out, result = warm_train(args.mix, args.init or WORK / f"smollm2-135m-eagle3-{MIX_PARTS[args.mix][0]}",
+                                 args.out, options, cfg, target, args.resume)
+        print(json.dumps({"out": str(out), **result.summary()}))
     elif args.stage == "train":
         cfg = DistillConfig(steps=args.steps, lr=args.lr, warmup_steps=max(10, args.steps // 30),
                             batch_tokens=args.batch_tokens, ttt_steps=3, save_every=50, eval_every_nth=50)
@@ -137,6 +170,57 @@ def main() -> int:
     else:
         publish(args.out, args.mix)
     return 0
+
+
+def mix_teachers(mix: str, options, target) -> list:
+    """Teacher data of a parted mix (``MIX_PARTS``): its parts (built here if missing, in turn), then its base mix's.
+
+    The parts come first so that building them does not hold the base mix's data in memory."""
+    from slimspec.distill.prompts import load_prompts
+    from slimspec.distill.scratch import scratch_teacher
+    from slimspec.distill.teacher import TeacherSettings, build_teacher_data, default_aux_layers
+
+    _, parts = MIX_PARTS[mix]
+    out = []
+    for name, temperature, seed in parts:
+        path = WORK / f"prompts-{mix}-{name}.jsonl"
+        path.write_text("".join(json.dumps({"id": r["id"], "turns": r["turns"][:1]}) + "\n" for r in part_rows(name)))
+        settings = TeacherSettings(responses=options.responses, max_new_tokens=options.max_new_tokens,
+                                   temperature=temperature, seed=seed, max_length=options.max_length,
+                                   aux_layers=tuple(default_aux_layers(target.num_layers)), engine=MIX_ENGINE[mix])
+        print(f"[build] {mix} part {name}: {path}", flush=True)
+        out.append(build_teacher_data(target.path, load_prompts(str(path)), settings, progress=True))
+    return [scratch_teacher(target, options, progress=True)[0], *out]
+
+
+def warm_train(mix: str, init: Path, out: Path, options, cfg, target: str, resume: bool):
+    """Continue training the drafter at ``init`` (whole drafter, KL to the target over its draft vocabulary) on
+    every teacher cache of the parted ``mix``; written in the EAGLE layout like a from-scratch build."""
+    import torch
+
+    from slimspec.checkpoint.drafter import load_drafter
+    from slimspec.distill.pipeline import drafter_model, load_target_parts, teacher_head_for
+    from slimspec.distill.scratch import write_eagle_layout
+    from slimspec.distill.teacher_union import concat_teacher_data
+    from slimspec.distill.train import distill_drafter
+
+    parts = load_target_parts(target)
+    ckpt = load_drafter(init)
+    teachers = mix_teachers(mix, options, parts)
+    teacher = concat_teacher_data(teachers)
+    print(f"[build] {mix}: {len(teacher)} sequences, {teacher.num_tokens} tokens from {len(teachers)} caches; "
+          f"continuing {init}", flush=True)
+    drafter = drafter_model(ckpt, parts)
+    result = distill_drafter(drafter, teacher, teacher_head_for(drafter, parts), cfg,
+                             checkpoint_dir=out.parent / f"{out.name}.checkpoints", resume=resume)
+    draft_ids = drafter.draft_to_target(torch.arange(ckpt.config.draft_vocab_size))
+    settings = SimpleNamespace(**teachers[0].manifest["settings"], parts=teacher.manifest["parts"],
+                               part_settings=teacher.manifest["settings"])
+    write_eagle_layout(drafter, ckpt.config, draft_ids, out, result, target, settings, overwrite=True)
+    training = json.loads((out / "training.json").read_text())
+    training["warm_start"] = {"from": str(init), "from_training": json.loads((init / "training.json").read_text())}
+    (out / "training.json").write_text(json.dumps(training))
+    return out, result
 
 
 def acceptance_by_target_confidence(folder: Path) -> dict:
@@ -234,10 +318,20 @@ def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str
     s = evaluation["settings"]
     counts = mix_counts(mix_name)
     mix = ", ".join(f"{name.removesuffix('.jsonl')} ({'all' if n is None else n})" for name, n in counts.items())
-    flag = f" --mix {mix_name}" if mix_name != "v1" else ""
     per_pos = ", ".join(f"{a:.3f}" for a in ref.get("acceptance_per_position", []))
     features = ("from the same bf16 passes (`--generation-engine static`)"
                 if training["teacher"].get("engine") == "static" else "from one fp32 target forward")
+    build = build_commands(mix_name, cfg, training)
+    parts = warm = ""
+    if mix_name in MIX_PARTS:
+        listed = "; ".join(f"{p['num_sequences']} sequences, {p['num_tokens']} tokens" for p in
+                           training["teacher"]["parts"])
+        parts = (f"\nMore teacher caches ({mix_name}): the {len(part_rows('rest'))} train/ prompts the mix above left "
+                 "(greedy answers), then one answer sampled at temperature 0.7 to every train/ prompt (two halves, "
+                 f"seeds 1 and 2). All caches, in order: {listed}.")
+        first = training["warm_start"]["from_training"]["distill"]
+        warm = (f" It continues the {MIX_PARTS[mix_name][0]} build ({first['config']['steps']} steps from scratch at "
+                f"lr {first['config']['lr']}, {first['seconds'] / 60:.0f} min, on the first cache only).")
     return f"""---
 library_name: slimspec
 base_model: HuggingFaceTB/SmolLM2-135M-Instruct
@@ -268,20 +362,35 @@ Held-out KL (teacher || drafter, first TTT step): {d["kl_before"]:.3f} at init -
 
 ## How it was built
 ```
-python scripts/build_reference_drafter.py --stage teacher{flag}
-python scripts/build_reference_drafter.py --stage train{flag} \\
-    --steps {cfg["steps"]} --batch-tokens {cfg["batch_tokens"]} --lr {cfg["lr"]}
-python scripts/build_reference_drafter.py --stage eval
-python scripts/build_reference_drafter.py --stage publish{flag}
+{build}
 ```
 Data: first turns of prompts from `shared/data/train/` (never eval/): {mix}; seed 5. Answers regenerated
 by the target ({training["teacher"]["max_new_tokens"]} new tokens, greedy, bf16 copy), features
-(layers {training["teacher"]["aux_layers"]}) {features}.
+(layers {training["teacher"]["aux_layers"]}) {features}.{parts}
 Training: {cfg["steps"]} AdamW steps of {cfg["batch_tokens"]} positions, lr {cfg["lr"]} (warmup
 {cfg["warmup_steps"]}, cosine to 10 %), {cfg["ttt_steps"]} TTT steps weighted {cfg["decay"]}^i, KL to the target's
 distribution over the draft vocabulary; {d["seconds"] / 60:.0f} min on 2 CPU cores ({d["tokens_per_second"]:.0f}
-positions/s).
+positions/s).{warm}
 """
+
+
+def build_commands(mix: str, cfg: dict, training: dict) -> str:
+    """The commands that rebuilt a drafter of ``mix`` (a parted mix: its base mix's build first)."""
+    run = "python scripts/build_reference_drafter.py"
+    flag = f" --mix {mix}" if mix != "v1" else ""
+    if mix not in MIX_PARTS:
+        return (f"{run} --stage teacher{flag}\n{run} --stage train{flag} \\\n    --steps {cfg['steps']} "
+                f"--batch-tokens {cfg['batch_tokens']} --lr {cfg['lr']}\n{run} --stage eval\n"
+                f"{run} --stage publish{flag}")
+    base = MIX_PARTS[mix][0]
+    first = training["warm_start"]["from_training"]["distill"]["config"]
+    out = f"out/reference/smollm2-135m-eagle3-{mix}"
+    return (f"{run} --stage teacher --mix {base}\n{run} --stage train --mix {base} "
+            f"--out out/reference/smollm2-135m-eagle3-{base} \\\n    --steps {first['steps']} "
+            f"--batch-tokens {first['batch_tokens']} --lr {first['lr']}\n{run} --stage teacher --mix {mix}\n"
+            f"{run} --stage train --mix {mix} --out {out} \\\n    --steps {cfg['steps']} "
+            f"--batch-tokens {cfg['batch_tokens']} --lr {cfg['lr']}\n{run} --stage eval --out {out}\n"
+            f"{run} --stage publish --mix {mix} --out {out}")
 
 
 if __name__ == "__main__":
