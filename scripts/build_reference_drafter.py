@@ -212,7 +212,7 @@ def warm_train(mix: str, init: Path, out: Path, options, cfg, target: str, resum
           f"continuing {init}", flush=True)
     drafter = drafter_model(ckpt, parts)
     result = distill_drafter(drafter, teacher, teacher_head_for(drafter, parts), cfg,
-                             checkpoint_dir=out.parent / f"{out.name}.checkpoints", resume=resume)
+                             checkpoint_dir=out.parent / f"{out.name}.checkpoints", resume=resume, keep_every=200)
     draft_ids = drafter.draft_to_target(torch.arange(ckpt.config.draft_vocab_size))
     settings = SimpleNamespace(**teachers[0].manifest["settings"], parts=teacher.manifest["parts"],
                                part_settings=teacher.manifest["settings"])

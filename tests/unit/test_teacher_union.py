@@ -54,21 +54,44 @@ def test_training_on_the_union_equals_training_on_a_copy(tmp_path):
     """Catches any difference the trainer could see between the joined view and one cache (sequence order,
     held-out split, target rows of the KL): three whole-drafter steps must give bit-identical weights."""
     parts = _parts(tmp_path)
-    cfg = DrafterConfig(hidden_size=WIDTH, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-                        intermediate_size=12, target_hidden_size=WIDTH, vocab_size=1000, draft_vocab_size=1000)
     torch.manual_seed(0)
     embed = torch.randn(1000, WIDTH)
     head = torch.randn(1000, WIDTH)
     results = []
     for teacher in (concat_teacher_data(parts), _joined_in_memory(parts)):
-        torch.manual_seed(1)
-        drafter = Eagle3Drafter(cfg, head=FullHead(head.clone()), embed_weight=embed)
+        drafter = _tiny_drafter(head, embed)
         dcfg = DistillConfig(steps=3, lr=1e-2, warmup_steps=1, batch_tokens=24, train_backbone=True, eval_every_nth=4)
         result = distill_drafter(drafter, teacher, head, dcfg, progress=False)
         results.append((result, {k: v.clone() for k, v in drafter.state_dict().items()}))
     (a, wa), (b, wb) = results
     assert a.kl_before == b.kl_before and a.kl_after == b.kl_after and a.kl_after != a.kl_before
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _tiny_drafter(head: torch.Tensor, embed: torch.Tensor) -> Eagle3Drafter:
+    cfg = DrafterConfig(hidden_size=WIDTH, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                        intermediate_size=12, target_hidden_size=WIDTH, vocab_size=1000, draft_vocab_size=1000)
+    torch.manual_seed(1)
+    return Eagle3Drafter(cfg, head=FullHead(head.clone()), embed_weight=embed)
+
+
+def test_long_runs_keep_only_every_nth_checkpoint_and_resume_from_the_latest(tmp_path):
+    """Catches pruning that deletes the latest checkpoint (a resume would restart far back) or keeps every save
+    (a long build fills the disk: ~120 MB a save for the reference drafter)."""
+    teacher = concat_teacher_data(_parts(tmp_path))
+    torch.manual_seed(0)
+    embed, head = torch.randn(1000, WIDTH), torch.randn(1000, WIDTH)
+    cfg = DistillConfig(steps=7, lr=1e-2, warmup_steps=1, batch_tokens=24, train_backbone=True, eval_every_nth=4,
+                        save_every=1)
+    ckpts = tmp_path / "ckpts"
+    drafter = _tiny_drafter(head, embed)
+    distill_drafter(drafter, teacher, head, cfg, checkpoint_dir=ckpts, progress=False, keep_every=3)
+    assert sorted(p.name for p in ckpts.glob("step-*.pt")) == ["step-000003.pt", "step-000006.pt", "step-000007.pt"]
+    again = _tiny_drafter(head, embed)
+    result = distill_drafter(again, teacher, head, cfg, checkpoint_dir=ckpts, resume=True, progress=False,
+                             keep_every=3)
+    assert len(result.history) == 7  # resumed at step 7: nothing left to train, the saved history came back
+    assert all(torch.equal(a, b) for a, b in zip(drafter.parameters(), again.parameters(), strict=True))
 
 
 def test_parts_of_other_shapes_are_refused(tmp_path):

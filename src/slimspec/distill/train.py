@@ -291,8 +291,13 @@ def distill_drafter(
     checkpoint_dir: Path | None = None,
     resume: bool = False,
     progress: bool = True,
+    keep_every: int = 0,
 ) -> DistillResult:
-    """Train ``drafter`` (head only unless ``cfg.train_backbone``) in place against ``teacher``."""
+    """Train ``drafter`` (head only unless ``cfg.train_backbone``) in place against ``teacher``.
+
+    ``keep_every`` > 0 keeps, of the checkpoints saved every ``cfg.save_every`` steps, only those of steps that
+    are multiples of it and the latest (long runs: the resume point and a curve, not every save). Not part of
+    ``cfg``, so it can change between a run and its resume."""
     from tqdm.auto import tqdm
 
     rank, world = _world()
@@ -370,6 +375,8 @@ def distill_drafter(
         bar.set_postfix(loss=f"{loss_value:.4f}", kl=f"{kl0:.4f}", tok_s=f"{rate:.0f}")
         if checkpoint_dir is not None and cfg.save_every and (step + 1) % cfg.save_every == 0 and rank == 0:
             _save_checkpoint(checkpoint_dir, step + 1, params, optimizer, generator, history, cfg)
+            if keep_every > 0:
+                prune_checkpoints(checkpoint_dir, keep_every)
     bar.close()
     seconds = time.perf_counter() - started
     drafter.requires_grad_(False)
@@ -402,6 +409,14 @@ def _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world, so
         return h, torch.zeros(0, cfg.ttt_steps, dtype=torch.long), torch.zeros(0, cfg.ttt_steps)
     return (torch.cat([p[0] for p in parts]).float(), torch.cat([p[1] for p in parts]),
             torch.cat([p[2] for p in parts]))
+
+
+def prune_checkpoints(folder: Path, keep_every: int) -> None:
+    """Delete the checkpoints of ``folder`` but the latest and those of steps that are multiples of ``keep_every``."""
+    found = sorted(folder.glob("step-*.pt"))
+    for path in found[:-1]:
+        if int(path.stem.removeprefix("step-")) % keep_every:
+            path.unlink(missing_ok=True)
 
 
 def _save_checkpoint(folder: Path, step: int, params, optimizer, generator, history, cfg) -> Path:
