@@ -120,6 +120,9 @@ def test_resume_is_bit_for_bit(tiny_converted, tiny_target, tmp_path):
     _, resumed = distill(tiny_converted, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg),
                          data_options=FEW, resume=True, progress=False)
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]
+    # the training time counts both segments (the model card's minutes), not only the resumed one
+    assert resumed.seconds >= resumed.history[-1]["seconds"] >= resumed.history[2]["seconds"] > 0
+    assert [h["seconds"] for h in resumed.history] == sorted(h["seconds"] for h in resumed.history)
     from safetensors.torch import load_file
 
     a, b = load_file(str(full_out / "model.safetensors")), load_file(str(tmp_path / "part" / "model.safetensors"))

@@ -338,6 +338,8 @@ def distill_drafter(
         generator.set_state(state["rng"])
         history = list(state["history"])
         start_step = int(state["step"])
+    # training time of earlier segments of a resumed run (histories saved before this field count from here)
+    prior_seconds = float(history[-1].get("seconds", 0.0)) if history else 0.0
     bar = tqdm(total=cfg.steps, initial=start_step, desc="[slimspec] distill", disable=not progress or rank != 0)
     tokens_seen, started = 0, time.perf_counter()
     for step in range(start_step, cfg.steps):
@@ -370,7 +372,8 @@ def distill_drafter(
         tokens_seen += hidden.shape[0] * world
         rate = tokens_seen / max(time.perf_counter() - started, 1e-9)
         history.append({"step": step + 1, "loss": loss_value, "kl0": kl0, "grad_norm": grad_norm,
-                        "lr": optimizer.param_groups[0]["lr"]})
+                        "lr": optimizer.param_groups[0]["lr"],
+                        "seconds": round(prior_seconds + time.perf_counter() - started, 2)})
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.4f}", kl=f"{kl0:.4f}", tok_s=f"{rate:.0f}")
         if checkpoint_dir is not None and cfg.save_every and (step + 1) % cfg.save_every == 0 and rank == 0:
@@ -386,7 +389,8 @@ def distill_drafter(
                                            source=source)
     return DistillResult(steps=cfg.steps, kl_before=kl_before_steps[0], kl_after=kl_after_steps[0],
                          kl_before_per_step=kl_before_steps, kl_after_per_step=kl_after_steps, history=history,
-                         tokens_per_second=tokens_seen / max(seconds, 1e-9), seconds=seconds, config=asdict(cfg))
+                         tokens_per_second=tokens_seen / max(seconds, 1e-9), seconds=prior_seconds + seconds,
+                         config=asdict(cfg))
 
 
 def _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world, source_rows=False):
