@@ -44,7 +44,11 @@ WORK = ROOT / "out" / "reference"
 def compose_prompts(path: Path, mix: str = "v1") -> Path:
     """The build's prompt file: ``MIX`` plus the mix's ``MIX_EXTRA`` (v1's rows first, the extra ones after), or
     a ``MIX_MORE`` mix: its parent's rows, then more drawn from what the parent left."""
-    rows, _ = _mix_rows(mix)
+    return write_prompts(path, _mix_rows(mix)[0])
+
+
+def write_prompts(path: Path, rows: list[dict]) -> Path:
+    """A prompt file of the rows' first turns (what the teacher stage reads)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"id": r["id"], "turns": r["turns"][:1]}) + "\n" for r in rows))
     return path
@@ -142,20 +146,17 @@ def main() -> int:
     elif args.stage == "teacher":
         teacher, _ = scratch_teacher(load_target_parts(target), options, progress=True)
         print(json.dumps({"sequences": len(teacher), "tokens": teacher.num_tokens, "cache": str(teacher.folder)}))
-    elif args.stage == "train" and args.mix in MIX_PARTS:
+    elif args.stage == "train":
         cfg = DistillConfig(steps=args.steps, lr=args.lr, warmup_steps=max(10, args.steps // 30),
                             batch_tokens=args.batch_tokens, ttt_steps=3, save_every=50, eval_every_nth=50,
                             train_backbone=True)
-        out, result = warm_train(args.mix, args.init or WORK / f"smollm2-135m-eagle3-{MIX_PARTS[args.mix][0]}",
-                                 args.out, options, cfg, target, args.resume)
-        print(json.dumps({"out": str(out), **result.summary()}))
-    elif args.stage == "train":
-        cfg = DistillConfig(steps=args.steps, lr=args.lr, warmup_steps=max(10, args.steps // 30),
-                            batch_tokens=args.batch_tokens, ttt_steps=3, save_every=50, eval_every_nth=50)
-        out, result = train_from_scratch(target, args.out, draft_vocab=args.draft_vocab, rank=args.rank,
-                                         data_options=options,
-                                         config=cfg, overwrite=True, resume=args.resume,
-                                         every_nth_sequence=args.every_nth)
+        if args.mix in MIX_PARTS:
+            out, result = warm_train(args.mix, args.init or WORK / f"smollm2-135m-eagle3-{base}", args.out, options,
+                                     cfg, target, args.resume)
+        else:
+            out, result = train_from_scratch(target, args.out, draft_vocab=args.draft_vocab, rank=args.rank,
+                                             data_options=options, config=cfg, overwrite=True, resume=args.resume,
+                                             every_nth_sequence=args.every_nth)
         print(json.dumps({"out": str(out), **result.summary()}))
     elif args.stage == "eval":
         from slimspec.evaluate.acceptance import evaluate
@@ -176,20 +177,17 @@ def mix_teachers(mix: str, options, target) -> list:
     """Teacher data of a parted mix (``MIX_PARTS``): its parts (built here if missing, in turn), then its base mix's.
 
     The parts come first so that building them does not hold the base mix's data in memory."""
-    from slimspec.distill.prompts import load_prompts
+    from dataclasses import replace
+
     from slimspec.distill.scratch import scratch_teacher
-    from slimspec.distill.teacher import TeacherSettings, build_teacher_data, default_aux_layers
 
     _, parts = MIX_PARTS[mix]
     out = []
     for name, temperature, seed in parts:
-        path = WORK / f"prompts-{mix}-{name}.jsonl"
-        path.write_text("".join(json.dumps({"id": r["id"], "turns": r["turns"][:1]}) + "\n" for r in part_rows(name)))
-        settings = TeacherSettings(responses=options.responses, max_new_tokens=options.max_new_tokens,
-                                   temperature=temperature, seed=seed, max_length=options.max_length,
-                                   aux_layers=tuple(default_aux_layers(target.num_layers)), engine=MIX_ENGINE[mix])
+        path = write_prompts(WORK / f"prompts-{mix}-{name}.jsonl", part_rows(name))
         print(f"[build] {mix} part {name}: {path}", flush=True)
-        out.append(build_teacher_data(target.path, load_prompts(str(path)), settings, progress=True))
+        part = replace(options, data=str(path), temperature=temperature, seed=seed, engine=MIX_ENGINE[mix])
+        out.append(scratch_teacher(target, part, progress=True)[0])
     return [scratch_teacher(target, options, progress=True)[0], *out]
 
 
@@ -214,12 +212,11 @@ def warm_train(mix: str, init: Path, out: Path, options, cfg, target: str, resum
     result = distill_drafter(drafter, teacher, teacher_head_for(drafter, parts), cfg,
                              checkpoint_dir=out.parent / f"{out.name}.checkpoints", resume=resume, keep_every=200)
     draft_ids = drafter.draft_to_target(torch.arange(ckpt.config.draft_vocab_size))
-    settings = SimpleNamespace(**teachers[0].manifest["settings"], parts=teacher.manifest["parts"],
-                               part_settings=teacher.manifest["settings"])
-    write_eagle_layout(drafter, ckpt.config, draft_ids, out, result, target, settings, overwrite=True)
-    training = json.loads((out / "training.json").read_text())
-    training["warm_start"] = {"from": str(init), "from_training": json.loads((init / "training.json").read_text())}
-    (out / "training.json").write_text(json.dumps(training))
+    extra = {"teacher_parts": [{**p, "settings": settings} for p, settings in
+                               zip(teacher.manifest["parts"], teacher.manifest["settings"], strict=True)],
+             "warm_start": {"from": str(init), "from_training": json.loads((init / "training.json").read_text())}}
+    write_eagle_layout(drafter, ckpt.config, draft_ids, out, result, target,
+                       SimpleNamespace(**teachers[0].manifest["settings"]), overwrite=True, training_extra=extra)
     return out, result
 
 
@@ -325,7 +322,7 @@ def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str
     parts = warm = ""
     if mix_name in MIX_PARTS:
         listed = "; ".join(f"{p['num_sequences']} sequences, {p['num_tokens']} tokens" for p in
-                           training["teacher"]["parts"])
+                           training["teacher_parts"])
         parts = (f"\nMore teacher caches ({mix_name}): the {len(part_rows('rest'))} train/ prompts the mix above left "
                  "(greedy answers), then one answer sampled at temperature 0.7 to every train/ prompt (two halves, "
                  f"seeds 1 and 2). All caches, in order: {listed}.")

@@ -38,6 +38,7 @@ class DataOptions:
     responses: str = "regenerate"
     max_new_tokens: int = 128
     temperature: float = 0.0
+    seed: int = 0  # of the sampled answers (temperature > 0)
     max_length: int = 1024
     aux_layers: list[int] | None = None
     aux_convention: str | None = None
@@ -87,7 +88,7 @@ def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptio
     layers = aux_layers_for(options.aux_layers or ckpt.config.aux_layer_ids, ckpt.layout if not options.aux_layers
                             else "override", target.num_layers, options.aux_convention)
     settings = TeacherSettings(responses=options.responses, max_new_tokens=options.max_new_tokens,
-                               temperature=options.temperature, max_length=options.max_length,
+                               temperature=options.temperature, seed=options.seed, max_length=options.max_length,
                                aux_layers=tuple(layers), engine=options.engine)
     prompts = load_prompts(options.data, limit=options.num_prompts)
     return build_teacher_data(target.path, prompts, settings, progress=progress)

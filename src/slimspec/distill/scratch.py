@@ -26,7 +26,7 @@ def scratch_teacher(parts: TargetParts, options: DataOptions, progress: bool) ->
     from slimspec.distill.prompts import load_prompts
 
     settings = TeacherSettings(responses=options.responses, max_new_tokens=options.max_new_tokens,
-                               temperature=options.temperature, max_length=options.max_length,
+                               temperature=options.temperature, seed=options.seed, max_length=options.max_length,
                                aux_layers=tuple(options.aux_layers or default_aux_layers(parts.num_layers)),
                                engine=options.engine)
     prompts = load_prompts(options.data, limit=options.num_prompts)
@@ -125,8 +125,10 @@ def train_from_scratch(
 
 
 def write_eagle_layout(drafter: Eagle3Drafter, config: DrafterConfig, draft_ids: torch.Tensor, out: Path,
-                       result: DistillResult, target: str, settings: TeacherSettings, overwrite: bool) -> None:
-    """EAGLE (yuhuili) layout: flat Llama config with ``draft_vocab_size``, fp16 ``pytorch_model.bin``."""
+                       result: DistillResult, target: str, settings: TeacherSettings, overwrite: bool,
+                       training_extra: dict | None = None) -> None:
+    """EAGLE (yuhuili) layout: flat Llama config with ``draft_vocab_size``, fp16 ``pytorch_model.bin``;
+    ``training_extra``: more top-level fields of ``training.json``."""
     tensors = {k: v.detach().half().clone() if v.is_floating_point() else v.clone()
                for k, v in drafter.canonical_state_dict(with_embedding=False).items()}
     if config.draft_vocab_size != config.vocab_size:
@@ -139,4 +141,4 @@ def write_eagle_layout(drafter: Eagle3Drafter, config: DrafterConfig, draft_ids:
         torch.save(tensors, tmp / "pytorch_model.bin")
         write_json(tmp / "config.json", flat)
         write_json(tmp / "training.json", {"target": target, "teacher": settings.__dict__,
-                                           "distill": result.summary()})
+                                           "distill": result.summary(), **(training_extra or {})})

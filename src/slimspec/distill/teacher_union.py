@@ -6,6 +6,8 @@ Each cache keeps its own key (prompts, temperature, seed), so a large training s
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from slimspec.distill.teacher import TeacherData
@@ -28,7 +30,7 @@ class StackedRows:
             raise SlimSpecError(f"teacher caches disagree on row shape/dtype: {sorted(widths)}, "
                                 f"{sorted(map(str, dtypes))} (were they built for the same target and feature layers?)")
         self.parts = parts
-        self.offsets = torch.tensor([0, *torch.tensor([p.shape[0] for p in parts]).cumsum(0).tolist()])
+        self.offsets = torch.tensor([0, *accumulate(p.shape[0] for p in parts)])
         self.dtype = parts[0].dtype
         self.shape = torch.Size([int(self.offsets[-1]), parts[0].shape[1]])
 
