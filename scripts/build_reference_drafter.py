@@ -127,6 +127,8 @@ def main() -> int:
     parser.add_argument("--engine", choices=["vllm", "reference"], default="vllm",
                         help="eval: vllm (and the reference decoder) or the reference decoder only")
     parser.add_argument("--out", type=Path, default=WORK / "smollm2-135m-eagle3")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="train: seed of the batch draws (a continuation run: another seed, other batches)")
     parser.add_argument("--every-nth", type=int, default=1,
                         help="train: every n-th teacher sequence only (data-scaling point: 1/n of the data)")
     parser.add_argument("--init", type=Path, default=None,
@@ -149,7 +151,7 @@ def main() -> int:
     elif args.stage == "train":
         cfg = DistillConfig(steps=args.steps, lr=args.lr, warmup_steps=max(10, args.steps // 30),
                             batch_tokens=args.batch_tokens, ttt_steps=3, save_every=50, eval_every_nth=50,
-                            train_backbone=True)
+                            train_backbone=True, seed=args.seed)
         if args.mix in MIX_PARTS:
             out, result = warm_train(args.mix, args.init or WORK / f"smollm2-135m-eagle3-{base}", args.out, options,
                                      cfg, target, args.resume)
