@@ -299,7 +299,7 @@ def publish(folder: Path, mix: str = "v1") -> None:
     training = json.loads((folder / "training.json").read_text())
     evaluation = json.loads((folder / "eval.json").read_text())
     draft_vocab = json.loads((folder / "config.json").read_text())["draft_vocab_size"]
-    (folder / "README.md").write_text(model_card(training, evaluation, draft_vocab, mix))
+    (folder / "README.md").write_text(model_card(training, evaluation, draft_vocab, mix, folder))
     if PACKAGED.exists():
         shutil.rmtree(PACKAGED)
     PACKAGED.mkdir(parents=True)
@@ -309,7 +309,8 @@ def publish(folder: Path, mix: str = "v1") -> None:
     print(f"packaged {PACKAGED} ({size / 2**20:.1f} MiB)")
 
 
-def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str = "v1") -> str:
+def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str = "v1",
+               out: str | Path | None = None) -> str:
     """Markdown card: what the drafter is, the command that rebuilt it, its data and its measured tau."""
     d = training["distill"]
     cfg = d["config"]
@@ -320,7 +321,7 @@ def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str
     per_pos = ", ".join(f"{a:.3f}" for a in ref.get("acceptance_per_position", []))
     features = ("from the same bf16 passes (`--generation-engine static`)"
                 if training["teacher"].get("engine") == "static" else "from one fp32 target forward")
-    build = build_commands(mix_name, cfg, training)
+    build = build_commands(mix_name, cfg, training, out)
     parts = warm = ""
     if mix_name in MIX_PARTS:
         listed = "; ".join(f"{p['num_sequences']} sequences, {p['num_tokens']} tokens" for p in
@@ -328,9 +329,14 @@ def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str
         parts = (f"\nMore teacher caches ({mix_name}): the {len(part_rows('rest'))} train/ prompts the mix above left "
                  "(greedy answers), then one answer sampled at temperature 0.7 to every train/ prompt (two halves, "
                  f"seeds 1 and 2). All caches, in order: {listed}.")
-        first = training["warm_start"]["from_training"]["distill"]
-        warm = (f" It continues the {MIX_PARTS[mix_name][0]} build ({first['config']['steps']} steps from scratch at "
-                f"lr {first['config']['lr']}, {first['seconds'] / 60:.0f} min, on the first cache only).")
+        links = []
+        for link in [training, *warm_chain(training)][:-1]:
+            earlier = link["warm_start"]["from_training"]
+            c, first = earlier["distill"]["config"], "warm_start" not in earlier
+            links.append(f"{_shown(link['warm_start']['from'])} ({c['steps']} steps{' from scratch' if first else ''} "
+                         f"at lr {c['lr']}, {earlier['distill']['seconds'] / 60:.0f} min, on "
+                         f"{'the first cache only' if first else 'all caches'})")
+        warm = " It continues " + ", which continues ".join(links) + "."
     return f"""---
 library_name: slimspec
 base_model: HuggingFaceTB/SmolLM2-135M-Instruct
@@ -373,8 +379,24 @@ positions/s).{warm}
 """
 
 
-def build_commands(mix: str, cfg: dict, training: dict) -> str:
-    """The commands that rebuilt a drafter of ``mix`` (a parted mix: its base mix's build first)."""
+def warm_chain(training: dict) -> list[dict]:
+    """The training records a parted build continued from, newest first (the last: its base mix's build)."""
+    chain = []
+    while "warm_start" in training:
+        training = training["warm_start"]["from_training"]
+        chain.append(training)
+    return chain
+
+
+def _shown(path: str | Path) -> str:
+    """A build folder as the commands name it: relative to the repository when inside it."""
+    path = Path(path)
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def build_commands(mix: str, cfg: dict, training: dict, out: str | Path | None = None) -> str:
+    """The commands that rebuilt a drafter of ``mix`` at ``out`` (a parted mix: its base mix's build, then each
+    warm-started run in turn)."""
     run = "python scripts/build_reference_drafter.py"
     flag = f" --mix {mix}" if mix != "v1" else ""
     if mix not in MIX_PARTS:
@@ -382,14 +404,22 @@ def build_commands(mix: str, cfg: dict, training: dict) -> str:
                 f"--batch-tokens {cfg['batch_tokens']} --lr {cfg['lr']}\n{run} --stage eval\n"
                 f"{run} --stage publish{flag}")
     base = MIX_PARTS[mix][0]
-    first = training["warm_start"]["from_training"]["distill"]["config"]
-    out = f"out/reference/smollm2-135m-eagle3-{mix}"
-    return (f"{run} --stage teacher --mix {base}\n{run} --stage train --mix {base} "
-            f"--out out/reference/smollm2-135m-eagle3-{base} \\\n    --steps {first['steps']} "
-            f"--batch-tokens {first['batch_tokens']} --lr {first['lr']}\n{run} --stage teacher --mix {mix}\n"
-            f"{run} --stage train --mix {mix} --out {out} \\\n    --steps {cfg['steps']} "
-            f"--batch-tokens {cfg['batch_tokens']} --lr {cfg['lr']}\n{run} --stage eval --out {out}\n"
-            f"{run} --stage publish --mix {mix} --out {out}")
+    chain = warm_chain(training)
+    first = chain[-1]["distill"]["config"]
+    warm_runs = [*reversed(chain[:-1]), training]  # oldest first
+    inits = [_shown(t["warm_start"]["from"]) for t in warm_runs]
+    outs = [*inits[1:], _shown(out or f"out/reference/smollm2-135m-eagle3-{mix}")]
+    lines = [f"{run} --stage teacher --mix {base}",
+             f"{run} --stage train --mix {base} --out {inits[0]} \\\n    --steps {first['steps']} "
+             f"--batch-tokens {first['batch_tokens']} --lr {first['lr']}",
+             f"{run} --stage teacher --mix {mix}"]
+    for t, init, folder in zip(warm_runs, inits, outs, strict=True):
+        c = t["distill"]["config"]
+        seed = f" --seed {c['seed']}" if c.get("seed") else ""
+        lines.append(f"{run} --stage train --mix {mix} --init {init} --out {folder} \\\n    --steps {c['steps']} "
+                     f"--batch-tokens {c['batch_tokens']} --lr {c['lr']}{seed}")
+    lines += [f"{run} --stage eval --out {outs[-1]}", f"{run} --stage publish --mix {mix} --out {outs[-1]}"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

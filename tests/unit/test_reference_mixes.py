@@ -62,3 +62,43 @@ def test_v4_parts_cover_train_once_each_and_stay_off_eval():
     texts = {r["turns"][0] for part in ("rest", "sampled-a", "sampled-b") for r in build.part_rows(part)}
     assert not _eval_texts() & texts
     assert build.mix_counts("v4") == build.mix_counts("v3")  # the card's base mix
+
+
+def test_commands_and_card_follow_every_warm_start():
+    """Catches a model card of a continued build (v4 continued again) that names only the first warm start: its
+    commands must rebuild every run in order, each from the folder the one before wrote, with its own seed."""
+    build = _script()
+
+    def record(steps, lr, seconds, seed=0, warm=None):
+        config = {"steps": steps, "lr": lr, "batch_tokens": 2048, "seed": seed, "warmup_steps": 10, "ttt_steps": 3,
+                  "decay": 0.8}
+        rec = {"distill": {"config": config, "seconds": seconds, "kl_before": 2.0, "kl_after": 1.0,
+                           "tokens_per_second": 1000.0},
+               "teacher": {"max_new_tokens": 128, "aux_layers": [1, 14, 27], "engine": "static"},
+               "teacher_parts": [{"num_sequences": 10, "num_tokens": 100}]}
+        if warm:
+            rec["warm_start"] = {"from": str(build.ROOT / "out" / "reference" / warm[0]), "from_training": warm[1]}
+        return rec
+
+    v3 = record(2500, 0.003, 600)
+    v4 = record(3600, 0.002, 1200, warm=("smollm2-135m-eagle3-v3", v3))
+    more = record(3600, 0.001, 2400, seed=1, warm=("smollm2-135m-eagle3-v4", v4))
+    out = build.ROOT / "out" / "reference" / "smollm2-135m-eagle3-v4-more"
+    lines = build.build_commands("v4", more["distill"]["config"], more, out).splitlines()
+    trains = [line for line in lines if "--stage train" in line]
+    assert trains[0].endswith("--out out/reference/smollm2-135m-eagle3-v3 \\")
+    assert "--init out/reference/smollm2-135m-eagle3-v3 --out out/reference/smollm2-135m-eagle3-v4 " in trains[1]
+    assert "--init out/reference/smollm2-135m-eagle3-v4 --out out/reference/smollm2-135m-eagle3-v4-more" in trains[2]
+    steps = [line for line in lines if line.strip().startswith("--steps")]
+    assert steps == ["    --steps 2500 --batch-tokens 2048 --lr 0.003",
+                     "    --steps 3600 --batch-tokens 2048 --lr 0.002",
+                     "    --steps 3600 --batch-tokens 2048 --lr 0.001 --seed 1"]
+    assert lines[-1] == "python scripts/build_reference_drafter.py --stage publish --mix v4 --out " \
+                        "out/reference/smollm2-135m-eagle3-v4-more"
+    evaluation = {"settings": {"dataset": "mt_bench", "num_prompts": 16, "max_new_tokens": 128, "draft_tokens": 4,
+                               "temperature": 0.0},
+                  "tau": 1.7, "tokens_per_second": 20.0, "reference": {"tau": 1.7, "tokens_per_second": 20.0}}
+    card = build.model_card(more, evaluation, 8192, "v4", out)
+    assert ("It continues out/reference/smollm2-135m-eagle3-v4 (3600 steps at lr 0.002, 20 min, on all caches), "
+            "which continues out/reference/smollm2-135m-eagle3-v3 (2500 steps from scratch at lr 0.003, 10 min, "
+            "on the first cache only).") in " ".join(card.split())
