@@ -120,7 +120,8 @@ def main() -> int:
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--mix", choices=MIXES, default="v1",
                         help="prompt mix: v1 (the first build's), v2 (v1 plus more train/ prompts; the shipped one), "
-                             "v3 (v2 plus more; teacher data from the static engine)")
+                             "v3 (v2 plus more; teacher data from the static engine), v4 (v3's data plus three more "
+                             "caches; trains warm from --init)")
     parser.add_argument("--resume", action="store_true", help="train: continue from the last checkpoint")
     parser.add_argument("--rank", type=int, default=None,
                         help="train: a SlimSpec low-rank head of this rank from the start (default: full-rank head)")
