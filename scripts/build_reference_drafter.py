@@ -331,11 +331,12 @@ def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str
                  "(greedy answers), then one answer sampled at temperature 0.7 to every train/ prompt (two halves, "
                  f"seeds 1 and 2). All caches, in order: {listed}.")
         links = []
-        for link in [training, *warm_chain(training)][:-1]:
-            earlier = link["warm_start"]["from_training"]
+        records = [training, *warm_chain(training)]
+        for record, earlier in zip(records, records[1:], strict=False):  # earlier: the run ``record`` continued
             c, first = earlier["distill"]["config"], "warm_start" not in earlier
-            links.append(f"{_shown(link['warm_start']['from'])} ({c['steps']} steps{' from scratch' if first else ''} "
-                         f"at lr {c['lr']}, {earlier['distill']['seconds'] / 60:.0f} min, on "
+            links.append(f"{_shown(record['warm_start']['from'])} ({c['steps']} steps"
+                         f"{' from scratch' if first else ''} at lr {c['lr']}, "
+                         f"{earlier['distill']['seconds'] / 60:.0f} min, on "
                          f"{'the first cache only' if first else 'all caches'})")
         warm = " It continues " + ", which continues ".join(links) + "."
     return f"""---
