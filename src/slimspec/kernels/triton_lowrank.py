@@ -171,11 +171,10 @@ def _fma_tile(z_ptr, w_ptr, offs_b, offs_v, B, V, R, stride_zb, stride_wv, strid
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
         w = tl.load(w_rows + offs_r[None, :] * stride_wr, mask=mask_v[:, None] & mask_r[None, :], other=0.0)
+        z = tl.load(z_rows + offs_r[None, :], mask=mask_b[:, None] & mask_r[None, :], other=0.0)
         if BLOCK_B == 1:  # 2-D layout for the single-row GEMV (decode)
-            z = tl.load(z_rows + offs_r[None, :], mask=mask_b[:, None] & mask_r[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * z, axis=1)[None, :]
         else:
-            z = tl.load(z_rows + offs_r[None, :], mask=mask_b[:, None] & mask_r[None, :], other=0.0)
             acc += tl.sum(z[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     return acc
 
