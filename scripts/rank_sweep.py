@@ -83,16 +83,20 @@ class VllmTau:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", help="drafter folder or embedded:smollm2-135m-eagle3")
+    parser.add_argument("source", help="drafter: a folder, a Hub id or embedded:smollm2-135m-eagle3")
     parser.add_argument("ranks", nargs="+", help="ranks as convert takes them: d/8, d/4, 72, ...")
     parser.add_argument("--engine", choices=sorted(SETTINGS), default="reference")
     parser.add_argument("--out", type=Path, required=True, help="JSON written after each rank")
     args = parser.parse_args(argv)
 
-    from slimspec import embedded
+    from slimspec.errors import SlimSpecError
+    from slimspec.hub import resolve_model
 
-    source = str(embedded.resolve_embedded(args.source, progress=False)) if args.source.startswith("embedded:") \
-        else str(Path(args.source).resolve())
+    try:
+        source = str(resolve_model(args.source, "drafter").resolve())  # vLLM runs from another folder
+    except SlimSpecError as exc:
+        print(f"rank_sweep: {exc}", file=sys.stderr)
+        return 2
     measure = VllmTau() if args.engine == "vllm" else ReferenceTau()
     original = measure(source)
     result = {"source": source, "engine": args.engine, "settings": measure.settings, "original": original}
