@@ -130,6 +130,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=WORK / "smollm2-135m-eagle3")
     parser.add_argument("--seed", type=int, default=0,
                         help="train: seed of the batch draws (a continuation run: another seed, other batches)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="train: mixed precision (bf16 autocast + bf16 KL matmuls; see slimspec distill --bf16)")
     parser.add_argument("--every-nth", type=int, default=1,
                         help="train: every n-th teacher sequence only (data-scaling point: 1/n of the data)")
     parser.add_argument("--init", type=Path, default=None,
@@ -152,7 +154,7 @@ def main() -> int:
     elif args.stage == "train":
         cfg = DistillConfig(steps=args.steps, lr=args.lr, warmup_steps=max(10, args.steps // 30),
                             batch_tokens=args.batch_tokens, ttt_steps=3, save_every=50, eval_every_nth=50,
-                            train_backbone=True, seed=args.seed)
+                            train_backbone=True, seed=args.seed, bf16=args.bf16)
         if args.mix in MIX_PARTS:
             out, result = warm_train(args.mix, args.init or WORK / f"smollm2-135m-eagle3-{base}", args.out, options,
                                      cfg, target, args.resume)
@@ -403,7 +405,7 @@ def build_commands(mix: str, cfg: dict, training: dict, out: str | Path | None =
     flag = f" --mix {mix}" if mix != "v1" else ""
     if mix not in MIX_PARTS:
         return (f"{run} --stage teacher{flag}\n{run} --stage train{flag} \\\n    --steps {cfg['steps']} "
-                f"--batch-tokens {cfg['batch_tokens']} --lr {cfg['lr']}\n{run} --stage eval\n"
+                f"--batch-tokens {cfg['batch_tokens']} --lr {cfg['lr']}{_bf16(cfg)}\n{run} --stage eval\n"
                 f"{run} --stage publish{flag}")
     base = MIX_PARTS[mix][0]
     chain = warm_chain(training)
@@ -413,15 +415,20 @@ def build_commands(mix: str, cfg: dict, training: dict, out: str | Path | None =
     outs = [*inits[1:], _shown(out or f"out/reference/smollm2-135m-eagle3-{mix}")]
     lines = [f"{run} --stage teacher --mix {base}",
              f"{run} --stage train --mix {base} --out {inits[0]} \\\n    --steps {first['steps']} "
-             f"--batch-tokens {first['batch_tokens']} --lr {first['lr']}",
+             f"--batch-tokens {first['batch_tokens']} --lr {first['lr']}{_bf16(first)}",
              f"{run} --stage teacher --mix {mix}"]
     for t, init, folder in zip(warm_runs, inits, outs, strict=True):
         c = t["distill"]["config"]
         seed = f" --seed {c['seed']}" if c.get("seed") else ""
         lines.append(f"{run} --stage train --mix {mix} --init {init} --out {folder} \\\n    --steps {c['steps']} "
-                     f"--batch-tokens {c['batch_tokens']} --lr {c['lr']}{seed}")
+                     f"--batch-tokens {c['batch_tokens']} --lr {c['lr']}{seed}{_bf16(c)}")
     lines += [f"{run} --stage eval --out {outs[-1]}", f"{run} --stage publish --mix {mix} --out {outs[-1]}"]
     return "\n".join(lines)
+
+
+def _bf16(cfg: dict) -> str:
+    """The flag a mixed-precision run was started with (older records have no such field)."""
+    return " --bf16" if cfg.get("bf16") else ""
 
 
 if __name__ == "__main__":

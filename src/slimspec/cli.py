@@ -72,6 +72,10 @@ def data_options(func):
         click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak AdamW learning rate."),
         click.option("--batch-tokens", type=int, default=2048, show_default=True, help="Drafter positions per step."),
         click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--bf16", is_flag=True,
+                     help="Mixed-precision distillation: the drafter's forward under bf16 autocast and the KL's "
+                          "logit/gradient matmuls in bf16 (softmax, KL and sums stay fp32). Faster where bf16 "
+                          "matmuls are (scripts/bench.py --only train-step measures it); logits rounded to bf16."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -90,7 +94,8 @@ def _data_and_config(kw: dict, steps: int):
                           temperature=kw.pop("temperature"), aux_layers=aux, aux_convention=kw.pop("aux_convention"),
                           engine=kw.pop("generation_engine"))
     cfg = DistillConfig(steps=steps, ttt_steps=kw.pop("ttt_steps"), lr=kw.pop("lr"),
-                        batch_tokens=kw.pop("batch_tokens"), seed=kw.pop("seed"), teacher=kw.pop("teacher"))
+                        batch_tokens=kw.pop("batch_tokens"), seed=kw.pop("seed"), teacher=kw.pop("teacher"),
+                        bf16=kw.pop("bf16"))
     return options, cfg
 
 

@@ -89,6 +89,29 @@ def test_half_inputs_computed_in_fp32(dtype):
         assert _rel(grad, ref) <= 1e-2
 
 
+@pytest.mark.parametrize(("tokens", "dim", "rank", "vocab", "teacher_dim", "chunk", "token_chunk"), SHAPES[1:4])
+def test_bf16_matmuls_track_float64_reference(tokens, dim, rank, vocab, teacher_dim, chunk, token_chunk):
+    """``matmul_dtype=bfloat16`` (mixed-precision training). Catches a bf16 path that drops a gradient term, mixes
+    up chunk offsets or accumulates in bf16: value and gradients stay within bf16 rounding (~1 %) of float64;
+    and catches a flag that does nothing: the result must differ from the fp32 one (the matmuls really ran bf16)."""
+    inputs = _case(tokens, dim, rank, vocab, teacher_dim, seed=6)
+    weights = torch.rand(tokens, generator=torch.Generator().manual_seed(7)) + 0.1
+    loss = full_vocab_kl(*inputs, chunk_size=chunk, token_chunk=token_chunk, weights=weights,
+                         matmul_dtype=torch.bfloat16)
+    grads = torch.autograd.grad(loss, inputs[:3])
+    ref_loss, ref_grads = _reference(inputs, weights)
+    fp32 = full_vocab_kl(*inputs, chunk_size=chunk, token_chunk=token_chunk, weights=weights)
+    assert loss.dtype == torch.float32
+    assert abs(loss.item() - float(ref_loss)) <= 2e-2 * float(ref_loss)
+    assert loss.item() != fp32.item()
+    for grad, ref, name in zip(grads, ref_grads, ("h", "w_down", "w_up"), strict=True):
+        assert grad.dtype == torch.float32
+        assert 1e-6 < _rel(grad, ref) <= 3e-2, name
+    with torch.no_grad():  # the no-grad path (held-out evaluation) takes the flag too
+        assert full_vocab_kl(*inputs, chunk_size=chunk, token_chunk=token_chunk, weights=weights,
+                             matmul_dtype=torch.bfloat16).item() == pytest.approx(loss.item(), rel=1e-6)
+
+
 def test_nonnegative_and_zero_when_student_equals_teacher():
     """Catches sign errors and a mixed-up normaliser (teacher lse used for the student or vice versa): KL >= 0
     on random inputs, and 0 (with zero gradients) when W_up @ W_down == teacher head and h == teacher hidden."""

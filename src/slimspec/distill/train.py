@@ -53,6 +53,7 @@ class DistillConfig:
     seed: int = 0
     eval_every_nth: int = 10  # every n-th teacher sequence is held out for the KL before/after
     teacher: str = "target"  # "target": the target's distribution; "drafter": the source drafter's own head
+    bf16: bool = False  # mixed precision: backbone under bf16 autocast, KL matmuls in bf16 (sums, softmax in fp32)
 
 
 @dataclass
@@ -202,12 +203,14 @@ def teacher_hidden(hidden: torch.Tensor, teacher_index: torch.Tensor, teacher: T
 
 def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.Tensor, weight: torch.Tensor,
              teacher: TeacherData, teacher_head: torch.Tensor, decay: float, global_weight: torch.Tensor | None = None,
-             kind: str = "target", source: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+             kind: str = "target", source: torch.Tensor | None = None,
+             matmul_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, list[float]]:
     """Loss = sum_i decay^i * KL_i (KL_i the weighted mean over tokens) and the per-step KLs.
 
     ``global_weight`` [k] (the weight sums over all ranks) makes the per-rank losses add up to the global one.
     ``kind``: ``target`` (``teacher_head`` [V, Ht] on the target's states) or ``drafter`` (``teacher_head``
     [V, d + 1], the source head with a bias column, on the student's own states: see ``self_teacher_head``).
+    ``matmul_dtype``: see :func:`full_vocab_kl` (bf16 training).
     """
     down, up = head_factors(drafter)
     total = hidden.new_zeros(())
@@ -225,7 +228,7 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
             continue
         keep = w > 0  # zero-weight rows (prompt positions) add nothing: skip their head and teacher matmuls
         th = teacher_hidden(hidden[keep, i], teacher_index[keep, i], teacher, kind, source)
-        kl = full_vocab_kl(hidden[keep, i], down, up, th, teacher_head, weights=w[keep])
+        kl = full_vocab_kl(hidden[keep, i], down, up, th, teacher_head, weights=w[keep], matmul_dtype=matmul_dtype)
         share = kl * (local / denominator)
         per_step.append(float(share.detach()))
         total = total + (decay ** i) * share
@@ -344,8 +347,9 @@ def distill_drafter(
     tokens_seen, started = 0, time.perf_counter()
     for step in range(start_step, cfg.steps):
         if cfg.train_backbone:
-            hidden, teacher_index, weight = _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world,
-                                                            frozen)
+            with torch.autocast(drafter.fc.weight.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                hidden, teacher_index, weight = _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank,
+                                                                world, frozen)
         else:
             rows = torch.randint(0, train_features.hidden.shape[0], (cfg.batch_tokens,), generator=generator)
             rows = rows[rank::world]
@@ -356,7 +360,8 @@ def distill_drafter(
             group["lr"] = _lr_at(step, cfg) * group["scale"]
         optimizer.zero_grad(set_to_none=True)
         loss, per_step = kl_terms(drafter, hidden, teacher_index, weight, teacher, teacher_head, cfg.decay,
-                                  global_weight, kind=kind, source=source)
+                                  global_weight, kind=kind, source=source,
+                                  matmul_dtype=torch.bfloat16 if cfg.bf16 else None)
         loss.backward()
         for p in params:
             if p.grad is not None:
