@@ -208,17 +208,15 @@ def bench_decode() -> list[str]:
     distillation), reference decoder and vLLM side by side."""
     import tempfile
 
-    from slimspec.convert.pipeline import convert
-    from slimspec.distill.pipeline import BRIEF_RECIPES, brief_distillation
+    from slimspec.distill.pipeline import BRIEF_RECIPES, convert_briefly
     from slimspec.evaluate.acceptance import evaluate
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for vocab, teacher, rank in (("full", "target", "d/8"), ("draft", "drafter", "d/8"),
                                      ("draft", "drafter", "d/4")):
-            options, config = brief_distillation(teacher=teacher)
-            res = convert(REFERENCE, TARGET, rank, vocab=vocab, out=Path(tmp) / f"{vocab}{rank[-1]}", progress=False,
-                          distill_steps=config.steps, data_options=options, distill_config=config)
+            res = convert_briefly(REFERENCE, TARGET, rank, Path(tmp) / f"{vocab}{rank[-1]}", teacher=teacher,
+                                  vocab=vocab)
             ev = evaluate(str(res.out), TARGET, dataset="mt_bench", num_prompts=16, max_new_tokens=128,
                           baseline=REFERENCE, engine="vllm", progress=False)
             ref, r = ev["reference"], res.report["rank"]
@@ -228,7 +226,7 @@ def bench_decode() -> list[str]:
                             f"{b['reference']['tokens_per_second']:.1f} | {b['tau']:.3f} | "
                             f"{b['tokens_per_second']:.1f} | 1 | 1 |")
             rows.append(f"| SlimSpec {rank}, {vocab} vocab ({res.report['head_vocab']} x {r} + {r} x 576), {teacher} "
-                        f"teacher, {config.steps} steps | "
+                        f"teacher, {res.report['distill']['steps']} steps | "
                         f"{ref['tau']:.3f} | {ref['tokens_per_second']:.1f} | {ev['tau']:.3f} | "
                         f"{ev['tokens_per_second']:.1f} | {ref['rho_tau']:.3f} | {ev['rho_tau']:.3f} |")
     recipes = "; ".join(f"against the {t}, {p or 'all'} prompts, lr {lr:g}" for t, (p, _, lr) in BRIEF_RECIPES.items())

@@ -21,8 +21,7 @@ OUT = Path("out/demo")
 
 def main() -> int:
     from slimspec import embedded
-    from slimspec.convert.pipeline import convert
-    from slimspec.distill.pipeline import BRIEF_DISTILL_STEPS, BRIEF_VOCAB, brief_distillation
+    from slimspec.distill.pipeline import BRIEF_DISTILL_STEPS, BRIEF_VOCAB, brief_distillation, convert_briefly
     from slimspec.distill.teacher import load_target_model
     from slimspec.evaluate.acceptance import evaluate, load_for_eval
     from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
@@ -41,8 +40,8 @@ def main() -> int:
     options, config = brief_distillation(args.distill_steps)
     print(f"[demo] = slimspec convert {drafter} --rank d/8 --vocab {BRIEF_VOCAB} --distill-steps {config.steps} "
           f"--teacher {config.teacher} --lr {config.lr:g} --max-new-tokens {options.max_new_tokens}", file=sys.stderr)
-    result = convert(drafter, target, "d/8", vocab=BRIEF_VOCAB, out=OUT / "smollm2-135m-eagle3-slimspec-r72",
-                     overwrite=True, distill_steps=args.distill_steps, data_options=options, distill_config=config)
+    result = convert_briefly(drafter, target, "d/8", OUT / "smollm2-135m-eagle3-slimspec-r72",
+                             steps=args.distill_steps, overwrite=True, progress=True)
     r = result.report
     print("[demo] measuring tau (reference speculative decoding, K=4, greedy) ...", file=sys.stderr)
     ev = evaluate(str(result.out), target, dataset="mt_bench", num_prompts=args.eval_prompts,

@@ -29,12 +29,9 @@ SETTINGS = {"reference": {"num_prompts": 16, "max_new_tokens": 128, "draft_token
 
 def convert_demo_recipe(source: str, rank: str, out: Path) -> Path:
     """The demo's conversion of ``source`` at ``rank``: draft vocabulary, brief distillation against the drafter."""
-    from slimspec.convert.pipeline import convert
-    from slimspec.distill.pipeline import brief_distillation
+    from slimspec.distill.pipeline import convert_briefly
 
-    options, config = brief_distillation()
-    return convert(source, TARGET, rank, vocab="draft", out=out, progress=False, distill_steps=config.steps,
-                   data_options=options, distill_config=config).out
+    return convert_briefly(source, TARGET, rank, out).out
 
 
 class ReferenceTau:

@@ -21,7 +21,7 @@ import torch
 
 import slimspec
 from slimspec import embedded
-from slimspec.distill.pipeline import brief_distillation
+from slimspec.distill.pipeline import convert_briefly
 from slimspec.evaluate.acceptance import eval_prompts
 from slimspec.evaluate.vllm_engine import evaluate_vllm, run_vllm_check, vllm_python
 
@@ -82,13 +82,10 @@ def drafters(target, tmp_path_factory) -> dict[str, Path]:
     original = os.environ.get("SLIMSPEC_TEST_DRAFTER")
     if original is None:
         original = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)
-    options, config = brief_distillation()  # the demo's: draft vocab, distilled against the source drafter
-    draft = os.environ.get("SLIMSPEC_TEST_CONVERTED") or slimspec.convert(
-        str(original), embedded.EMBEDDED_TARGET, SERVED_RANK, vocab="draft", out=tmp / "draft", progress=False,
-        distill_steps=config.steps, data_options=options, distill_config=config).out
-    draft8 = slimspec.convert(
-        str(original), embedded.EMBEDDED_TARGET, "d/8", vocab="draft", out=tmp / "draft8", progress=False,
-        distill_steps=config.steps, data_options=options, distill_config=config).out
+    # the demo's recipe: draft vocab, distilled against the source drafter
+    draft = os.environ.get("SLIMSPEC_TEST_CONVERTED") or convert_briefly(
+        str(original), embedded.EMBEDDED_TARGET, SERVED_RANK, tmp / "draft").out
+    draft8 = convert_briefly(str(original), embedded.EMBEDDED_TARGET, "d/8", tmp / "draft8").out
     full = slimspec.convert(str(original), embedded.EMBEDDED_TARGET, "d/8", out=tmp / "full", progress=False).out
     return {"original": Path(original), "full": Path(full), "draft": Path(draft), "draft8": Path(draft8)}
 

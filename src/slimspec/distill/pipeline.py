@@ -65,6 +65,18 @@ def brief_distillation(steps: int | None = None, teacher: str = BRIEF_TEACHER) -
                                                                              warmup_steps=5, teacher=teacher)
 
 
+def convert_briefly(drafter: str | Path, target: str | Path | None, rank: str | int, out: str | Path, *,
+                    teacher: str = BRIEF_TEACHER, vocab: str = BRIEF_VOCAB, steps: int | None = None,
+                    overwrite: bool = False, progress: bool = False):
+    """``convert`` at ``rank`` with :func:`brief_distillation`'s recipe: what ``make demo`` runs, and what the
+    vLLM tests, the decode benchmark and ``scripts/rank_sweep.py`` measure. Returns the ``ConvertResult``."""
+    from slimspec.convert.pipeline import convert
+
+    options, config = brief_distillation(steps, teacher)
+    return convert(drafter, target, rank, vocab=vocab, out=out, overwrite=overwrite, progress=progress,
+                   distill_steps=config.steps, data_options=options, distill_config=config)
+
+
 def load_target_parts(target: str, revision: str | None = None) -> TargetParts:
     """Resolve the target (whole model: it runs) and read its head and embedding."""
     from slimspec.checkpoint.files import read_json, read_tensors, weight_map
