@@ -12,6 +12,7 @@ from slimspec.distill.pipeline import DataOptions, distill
 from slimspec.distill.prompts import Prompt, load_prompts
 from slimspec.distill.teacher import TeacherSettings, build_teacher_data, load_target_model
 from slimspec.distill.train import DistillConfig, _sequence_inputs
+from slimspec.errors import SlimSpecError
 from tests.layouts import Spec, write_drafter
 
 pytestmark = pytest.mark.slow
@@ -116,7 +117,15 @@ def test_resume_is_bit_for_bit(tiny_converted, tiny_target, tmp_path):
                     progress=False)
     finally:
         train._lr_at = original
-    assert not (tmp_path / "part").exists() and (tmp_path / "part.checkpoints" / "step-000003.pt").exists()
+    saved = tmp_path / "part.checkpoints" / "step-000003.pt"
+    assert not (tmp_path / "part").exists() and saved.exists()
+    # a checkpoint written before a DistillConfig field existed (here: bf16) resumes as that field's default
+    state = torch.load(saved, weights_only=True)
+    del state["config"]["bf16"]
+    torch.save(state, saved)
+    with pytest.raises(SlimSpecError, match="other settings"):
+        distill(tiny_converted, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg, bf16=True),
+                data_options=FEW, resume=True, progress=False)
     _, resumed = distill(tiny_converted, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg),
                          data_options=FEW, resume=True, progress=False)
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]

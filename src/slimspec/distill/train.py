@@ -332,7 +332,8 @@ def distill_drafter(
     start_step = 0
     if checkpoint_dir is not None and resume and (path := latest_checkpoint(checkpoint_dir)):
         state = torch.load(path, map_location="cpu", weights_only=True)
-        if state["config"] != asdict(cfg):
+        # a field added since the checkpoint was written counts as its default (the behaviour it was written with)
+        if {**asdict(DistillConfig()), **state["config"]} != asdict(cfg):
             raise SlimSpecError(f"{path}: saved with other settings; resume needs the same options")
         with torch.no_grad():
             for p, saved in zip(params, state["params"], strict=True):
