@@ -66,12 +66,13 @@ def test_v4_parts_cover_train_once_each_and_stay_off_eval():
 
 def test_commands_and_card_follow_every_warm_start():
     """Catches a model card of a continued build (v4 continued again) that names only the first warm start: its
-    commands must rebuild every run in order, each from the folder the one before wrote, with its own seed."""
+    commands must rebuild every run in order, each from the folder the one before wrote, with its own seed and
+    precision (``--bf16`` only where the run had it; records from before the field existed have none)."""
     build = _script()
 
-    def record(steps, lr, seconds, seed=0, warm=None):
+    def record(steps, lr, seconds, seed=0, warm=None, **extra):
         config = {"steps": steps, "lr": lr, "batch_tokens": 2048, "seed": seed, "warmup_steps": 10, "ttt_steps": 3,
-                  "decay": 0.8}
+                  "decay": 0.8, **extra}
         rec = {"distill": {"config": config, "seconds": seconds, "kl_before": 2.0, "kl_after": 1.0,
                            "tokens_per_second": 1000.0},
                "teacher": {"max_new_tokens": 128, "aux_layers": [1, 14, 27], "engine": "static"},
@@ -82,7 +83,7 @@ def test_commands_and_card_follow_every_warm_start():
 
     v3 = record(2500, 0.003, 600)
     v4 = record(3600, 0.002, 1200, warm=("smollm2-135m-eagle3-v3", v3))
-    more = record(3600, 0.001, 2400, seed=1, warm=("smollm2-135m-eagle3-v4", v4))
+    more = record(3600, 0.001, 2400, seed=1, warm=("smollm2-135m-eagle3-v4", v4), bf16=True)
     out = build.ROOT / "out" / "reference" / "smollm2-135m-eagle3-v4-more"
     lines = build.build_commands("v4", more["distill"]["config"], more, out).splitlines()
     trains = [line for line in lines if "--stage train" in line]
@@ -92,7 +93,7 @@ def test_commands_and_card_follow_every_warm_start():
     steps = [line for line in lines if line.strip().startswith("--steps")]
     assert steps == ["    --steps 2500 --batch-tokens 2048 --lr 0.003",
                      "    --steps 3600 --batch-tokens 2048 --lr 0.002",
-                     "    --steps 3600 --batch-tokens 2048 --lr 0.001 --seed 1"]
+                     "    --steps 3600 --batch-tokens 2048 --lr 0.001 --seed 1 --bf16"]
     assert lines[-1] == "python scripts/build_reference_drafter.py --stage publish --mix v4 --out " \
                         "out/reference/smollm2-135m-eagle3-v4-more"
     evaluation = {"settings": {"dataset": "mt_bench", "num_prompts": 16, "max_new_tokens": 128, "draft_tokens": 4,
