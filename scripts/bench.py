@@ -301,13 +301,12 @@ def bench_teacher(num_prompts: int = 128, new_tokens: int = 128) -> list[str]:
 
 def _cpu_name() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                flags = Path("/proc/cpuinfo").read_text()
-                amx = " (AMX)" if "amx_bf16" in flags else " (no AMX)"
-                return line.split(":", 1)[1].strip() + amx
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        info = ""
+    for line in info.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip() + (" (AMX)" if "amx_bf16" in info else " (no AMX)")
     return platform.processor() or "unknown CPU"
 
 

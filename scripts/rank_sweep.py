@@ -27,13 +27,6 @@ SETTINGS = {"reference": {"num_prompts": 16, "max_new_tokens": 128, "draft_token
             "vllm": {"num_prompts": 8, "max_new_tokens": 64, "draft_tokens": 3}}
 
 
-def convert_demo_recipe(source: str, rank: str, out: Path) -> Path:
-    """The demo's conversion of ``source`` at ``rank``: draft vocabulary, brief distillation against the drafter."""
-    from slimspec.distill.pipeline import convert_briefly
-
-    return convert_briefly(source, TARGET, rank, out).out
-
-
 class ReferenceTau:
     """tau in SlimSpec's reference decoder (greedy, mt_bench)."""
 
@@ -86,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON written after each rank")
     args = parser.parse_args(argv)
 
+    from slimspec.distill.pipeline import convert_briefly
     from slimspec.errors import SlimSpecError
     from slimspec.hub import resolve_model
 
@@ -100,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for rank in args.ranks:
-            converted = convert_demo_recipe(source, rank, Path(tmp) / rank.replace("/", "_"))
+            converted = convert_briefly(source, TARGET, rank, Path(tmp) / rank.replace("/", "_")).out  # the demo's
             row = measure(str(converted))
             row["rho"] = row["tau"] / original["tau"]
             result[rank] = row

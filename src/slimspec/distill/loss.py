@@ -74,6 +74,13 @@ def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor, teacher_head: T
     def mm(a: Tensor, b: Tensor) -> Tensor:
         return (a.to(mdtype) @ b.to(mdtype)).to(cdtype)
 
+    def add_mm(out: Tensor, a: Tensor, b: Tensor) -> None:
+        """out += a @ b: in place in the compute dtype, else through a ``matmul_dtype`` product."""
+        if mdtype == cdtype:
+            out.addmm_(a, b.to(cdtype))
+        else:
+            out.add_(mm(a, b))
+
     if mdtype != cdtype:  # cast the big operands once, not once per token chunk
         w_up, teacher_head = w_up.to(mdtype), teacher_head.to(mdtype)
     tokens, rank = z.shape
@@ -121,16 +128,10 @@ def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor, teacher_head: T
                 continue
             g = log_q.exp_().sub_(p).mul_(coef_t)
             del p
-            if mdtype != cdtype:
-                if dz_t is not None:
-                    dz_t.add_(mm(g, w_up[v0:v1]))
-                if dw_up is not None:
-                    dw_up[v0:v1].add_(mm(g.T, z_m))
-                continue
             if dz_t is not None:
-                dz_t.addmm_(g, w_up[v0:v1].to(cdtype))
+                add_mm(dz_t, g, w_up[v0:v1])
             if dw_up is not None:
-                dw_up[v0:v1].addmm_(g.T, z_t)
+                add_mm(dw_up[v0:v1], g.T, z_m)
         total = total + (coef_t[:, 0] * kl_rows).sum()
     return total, dz, dw_up
 
