@@ -257,3 +257,46 @@ def test_memory_bounded_no_token_by_vocab_tensor():
     with naive_outputs, naive_saved:
         torch.autograd.grad(naive_full_vocab_kl(*inputs), inputs[:3])
     assert naive_outputs.largest == naive_saved.largest == tokens * vocab
+
+
+def test_fused_and_op_by_op_passes_agree(monkeypatch):
+    """Catches the torch.compile'd elementwise passes (the default) drifting from the op-by-op ones
+    (``SLIMSPEC_COMPILE=0``), and the fused path silently never running (compile failing over to op by op here):
+    both must match the float64 reference, and the compiled functions must be in use."""
+    from slimspec.distill import loss as loss_module
+
+    inputs = _case(33, 20, 7, 257, 20, seed=4)
+    ref_loss, ref_grads = _reference(inputs)
+    results = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(loss_module.COMPILE_ENV, flag)
+        value = full_vocab_kl(*inputs, chunk_size=64, token_chunk=8)
+        results[flag] = (value.detach(), torch.autograd.grad(value, inputs[:3]))
+    assert not loss_module._FUSED.get("broken")
+    assert {"_fold_lse", "_kl_rows_and_grad"} <= set(loss_module._FUSED)
+    for value, grads in results.values():
+        assert abs(value.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+        assert all(_rel(g, r) <= 1e-5 for g, r in zip(grads, ref_grads, strict=True))
+
+
+def test_compile_failure_falls_back_to_op_by_op(monkeypatch):
+    """Catches a machine without a working torch.compile (no C++ compiler) breaking distillation: the first call
+    warns once, and this and later results are the op-by-op ones."""
+    from slimspec.distill import loss as loss_module
+
+    def broken_compile(fn, **kwargs):
+        def fail(*args):
+            raise RuntimeError("no compiler here")
+        return fail
+
+    monkeypatch.setattr(loss_module, "_FUSED", {})
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setenv(loss_module.COMPILE_ENV, "1")
+    inputs = _case(7, 24, 10, 1000, 20, seed=5)
+    ref_loss, _ = _reference(inputs)
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        first = full_vocab_kl(*inputs, chunk_size=128)
+    second = full_vocab_kl(*inputs, chunk_size=128)
+    assert loss_module._FUSED["broken"]
+    for value in (first, second):
+        assert abs(value.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()

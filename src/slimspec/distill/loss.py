@@ -47,16 +47,68 @@ def _pick_token_chunk(tokens: int, vocab: int, dtype: torch.dtype) -> int:
     return max(1, min(tokens, rows))
 
 
-def _online_lse_update(logits: Tensor, running_max: Tensor, running_sum: Tensor) -> None:
-    """Fold one chunk of logits [n, c] into a streaming log-sum-exp (max and rescaled sum, both [n]), in place.
+def _fold_lse(logits: Tensor, running_max: Tensor, running_sum: Tensor) -> tuple[Tensor, Tensor]:
+    """Fold one chunk of logits [n, c] into a streaming log-sum-exp: the new (max, rescaled sum), both [n].
 
     A row whose maximum is still -inf (every logit so far masked) uses 0 as the shift, so ``exp(-inf - -inf)``
     never produces NaN.
     """
     new_max = torch.maximum(running_max, logits.amax(dim=1))
     shift = torch.where(new_max == float("-inf"), torch.zeros_like(new_max), new_max)
-    running_sum.mul_(torch.exp(running_max - shift)).add_(torch.exp(logits - shift[:, None]).sum(dim=1))
-    running_max.copy_(new_max)
+    new_sum = running_sum * torch.exp(running_max - shift) + torch.exp(logits - shift[:, None]).sum(dim=1)
+    return new_max, new_sum
+
+
+def _kl_rows(teacher_logits: Tensor, student_logits: Tensor, lse_p: Tensor, lse_q: Tensor) -> Tensor:
+    """Per-token KL(p || q) [n] of one vocabulary chunk, from its logits and both log-sum-exps [n, 1]."""
+    log_p = teacher_logits - lse_p
+    p = log_p.exp()
+    # p_v = 0 (teacher logit -inf) contributes 0, not 0 * -inf = NaN
+    return torch.where(p > 0, p * (log_p - (student_logits - lse_q)), 0.0).sum(dim=1)
+
+
+def _kl_rows_and_grad(teacher_logits: Tensor, student_logits: Tensor, lse_p: Tensor, lse_q: Tensor,
+                      coef: Tensor) -> tuple[Tensor, Tensor]:
+    """``_kl_rows`` and the gradient of sum_t coef_t KL_t w.r.t. the chunk's student logits, (q - p) * coef."""
+    log_p = teacher_logits - lse_p
+    log_q = student_logits - lse_q
+    p = log_p.exp()
+    kl = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(dim=1)
+    return kl, (log_q.exp() - p) * coef
+
+
+COMPILE_ENV = "SLIMSPEC_COMPILE"
+"""Set to 0 to run the KL's elementwise passes op by op (no ``torch.compile``)."""
+
+_FUSED: dict[str, Any] = {}
+
+
+def _fused(fn):
+    """``fn`` with its elementwise passes fused into one loop by ``torch.compile`` (6x faster on a 2-core CPU:
+    ``scripts/bench_kl.py``), or ``fn`` itself where compiling is switched off (``SLIMSPEC_COMPILE=0``) or
+    fails (no C++ compiler, say: then it warns once and stays op by op)."""
+    import os
+
+    if os.environ.get(COMPILE_ENV, "1") == "0" or _FUSED.get("broken"):
+        return fn
+    if fn.__name__ not in _FUSED:
+        compiled = torch.compile(fn, dynamic=True)
+
+        def call(*args: Tensor):
+            if _FUSED.get("broken"):
+                return fn(*args)
+            try:
+                return compiled(*args)
+            except Exception as error:  # noqa: BLE001 - any compile failure: fall back, the values are the same
+                import warnings
+
+                _FUSED["broken"] = True
+                warnings.warn(f"torch.compile failed ({type(error).__name__}: {error}); the KL runs op by op "
+                              f"(set {COMPILE_ENV}=0 to skip the attempt)", stacklevel=2)
+                return fn(*args)
+
+        _FUSED[fn.__name__] = call
+    return _FUSED[fn.__name__]
 
 
 def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor, teacher_head: Tensor, coef: Tensor,
@@ -81,6 +133,7 @@ def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor, teacher_head: T
         else:
             out.add_(mm(a, b))
 
+    fold, kl_only, kl_and_grad = _fused(_fold_lse), _fused(_kl_rows), _fused(_kl_rows_and_grad)
     if mdtype != cdtype:  # cast the big operands once, not once per token chunk
         w_up, teacher_head = w_up.to(mdtype), teacher_head.to(mdtype)
     tokens, rank = z.shape
@@ -107,8 +160,8 @@ def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor, teacher_head: T
         for v0, v1 in bounds:
             a = mm(th_t, teacher_head[v0:v1].T)
             b = mm(z_m, w_up[v0:v1].T)
-            _online_lse_update(a, max_p, sum_p)
-            _online_lse_update(b, max_q, sum_q)
+            max_p, sum_p = fold(a, max_p, sum_p)
+            max_q, sum_q = fold(b, max_q, sum_q)
             teacher_chunks.append(a)
             student_chunks.append(b)
         lse_p = (max_p + sum_p.log())[:, None]
@@ -117,17 +170,13 @@ def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor, teacher_head: T
         dz_t = dz[t0:t1] if dz is not None else None
         # sweep 2: p, q, the KL terms and the gradient g = (q - p) * coef, reduced straight away
         for v0, v1 in bounds:
-            log_p = teacher_chunks.pop(0).sub_(lse_p)  # popped so each chunk is freed once used
-            log_q = student_chunks.pop(0).sub_(lse_q)
-            p = log_p.exp()
-            # p_v = 0 (teacher logit -inf) contributes 0, not 0 * -inf = NaN
-            terms = torch.where(p > 0, p * (log_p - log_q), torch.zeros((), dtype=cdtype, device=z.device))
-            kl_rows += terms.sum(dim=1)
-            del terms, log_p
+            a, b = teacher_chunks.pop(0), student_chunks.pop(0)  # popped so each chunk is freed once used
             if dz_t is None and dw_up is None:
+                kl_rows += kl_only(a, b, lse_p, lse_q)
                 continue
-            g = log_q.exp_().sub_(p).mul_(coef_t)
-            del p
+            rows, g = kl_and_grad(a, b, lse_p, lse_q, coef_t)
+            kl_rows += rows
+            del a, b
             if dz_t is not None:
                 add_mm(dz_t, g, w_up[v0:v1])
             if dw_up is not None:
