@@ -360,7 +360,10 @@ def bench_train_step(repeats: int = 5) -> list[str]:
                 seconds, losses[variant] = step(*variant)
                 times[variant].append(seconds)
     finally:
-        os.environ.pop(COMPILE_ENV, None) if saved_env is None else os.environ.__setitem__(COMPILE_ENV, saved_env)
+        if saved_env is None:
+            os.environ.pop(COMPILE_ENV, None)
+        else:
+            os.environ[COMPILE_ENV] = saved_env
     median = {v: sorted(t)[repeats // 2] for v, t in times.items()}
     positions = index.shape[0]
     base = median[(False, False)]

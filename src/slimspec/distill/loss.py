@@ -17,6 +17,8 @@ log-sum-exp is complete: ``token_chunk x V`` values per distribution, bounded by
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import torch
@@ -87,8 +89,6 @@ def _fused(fn):
     """``fn`` with its elementwise passes fused into one loop by ``torch.compile`` (a whole from-scratch training
     step 1.37x faster in fp32: ``scripts/bench.py --only train-step``), or ``fn`` itself where compiling is
     switched off (``SLIMSPEC_COMPILE=0``) or fails (no C++ compiler, say: then it warns once and stays op by op)."""
-    import os
-
     if os.environ.get(COMPILE_ENV, "1") == "0" or _FUSED.get("broken"):
         return fn
     if fn.__name__ not in _FUSED:
@@ -100,8 +100,6 @@ def _fused(fn):
             try:
                 return compiled(*args)
             except Exception as error:  # noqa: BLE001 - any compile failure: fall back, the values are the same
-                import warnings
-
                 _FUSED["broken"] = True
                 warnings.warn(f"torch.compile failed ({type(error).__name__}: {error}); the KL runs op by op "
                               f"(set {COMPILE_ENV}=0 to skip the attempt)", stacklevel=2)
