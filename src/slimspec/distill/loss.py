@@ -61,21 +61,24 @@ def _fold_lse(logits: Tensor, running_max: Tensor, running_sum: Tensor) -> tuple
     return new_max, new_sum
 
 
-def _kl_rows(teacher_logits: Tensor, student_logits: Tensor, lse_p: Tensor, lse_q: Tensor) -> Tensor:
-    """Per-token KL(p || q) [n] of one vocabulary chunk, from its logits and both log-sum-exps [n, 1]."""
+def _p_and_kl_rows(teacher_logits: Tensor, log_q: Tensor, lse_p: Tensor) -> tuple[Tensor, Tensor]:
+    """Teacher probabilities [n, c] and per-token KL(p || q) [n] of one vocabulary chunk (log_q normalised)."""
     log_p = teacher_logits - lse_p
     p = log_p.exp()
     # p_v = 0 (teacher logit -inf) contributes 0, not 0 * -inf = NaN
-    return torch.where(p > 0, p * (log_p - (student_logits - lse_q)), 0.0).sum(dim=1)
+    return p, torch.where(p > 0, p * (log_p - log_q), 0.0).sum(dim=1)
+
+
+def _kl_rows(teacher_logits: Tensor, student_logits: Tensor, lse_p: Tensor, lse_q: Tensor) -> Tensor:
+    """Per-token KL(p || q) [n] of one vocabulary chunk, from its logits and both log-sum-exps [n, 1]."""
+    return _p_and_kl_rows(teacher_logits, student_logits - lse_q, lse_p)[1]
 
 
 def _kl_rows_and_grad(teacher_logits: Tensor, student_logits: Tensor, lse_p: Tensor, lse_q: Tensor,
                       coef: Tensor) -> tuple[Tensor, Tensor]:
     """``_kl_rows`` and the gradient of sum_t coef_t KL_t w.r.t. the chunk's student logits, (q - p) * coef."""
-    log_p = teacher_logits - lse_p
     log_q = student_logits - lse_q
-    p = log_p.exp()
-    kl = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(dim=1)
+    p, kl = _p_and_kl_rows(teacher_logits, log_q, lse_p)
     return kl, (log_q.exp() - p) * coef
 
 
