@@ -43,6 +43,7 @@ class DataOptions:
     aux_layers: list[int] | None = None
     aux_convention: str | None = None
     engine: str = "transformers"  # TeacherSettings.engine: "static" decodes and takes features in the same passes
+    generation_batch: int = 64  # prompts decoded together (part of the cache key: sampled answers depend on it)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,7 +102,8 @@ def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptio
                             else "override", target.num_layers, options.aux_convention)
     settings = TeacherSettings(responses=options.responses, max_new_tokens=options.max_new_tokens,
                                temperature=options.temperature, seed=options.seed, max_length=options.max_length,
-                               aux_layers=tuple(layers), engine=options.engine)
+                               aux_layers=tuple(layers), engine=options.engine,
+                               generation_batch=options.generation_batch)
     prompts = load_prompts(options.data, limit=options.num_prompts)
     return build_teacher_data(target.path, prompts, settings, progress=progress)
 

@@ -1,0 +1,38 @@
+"""DataOptions reach the teacher's settings (and so its cache key) on both paths that build teacher data."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from slimspec.distill import pipeline, scratch
+from slimspec.distill.pipeline import DataOptions
+from slimspec.distill.prompts import Prompt
+from slimspec.distill.teacher import TeacherSettings, cache_key
+
+
+def _prompts(tmp_path: Path) -> str:
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"id": "a", "turns": ["hello"]}) + "\n")
+    return str(path)
+
+
+def test_generation_batch_reaches_settings(tmp_path, monkeypatch):
+    """Catches ``DataOptions.generation_batch`` dropped on the way (the reference build's v4 parts decode 256 prompts
+    at a time: dropped, they would silently decode 64 and miss the caches a resumed build already wrote)."""
+    seen = []
+    monkeypatch.setattr(scratch, "build_teacher_data", lambda path, prompts, settings, progress: seen.append(settings))
+    monkeypatch.setattr(pipeline, "build_teacher_data", lambda path, prompts, settings, progress: seen.append(settings))
+    options = DataOptions(data=_prompts(tmp_path), generation_batch=256, engine="static")
+    scratch.scratch_teacher(SimpleNamespace(path=tmp_path, num_layers=30), options, progress=False)
+    ckpt = SimpleNamespace(config=SimpleNamespace(aux_layer_ids=[1, 14, 27]), layout="eagle")
+    pipeline.teacher_for(ckpt, SimpleNamespace(path=tmp_path, num_layers=30), options, progress=False)
+    assert [s.generation_batch for s in seen] == [256, 256]
+    assert all(s.engine == "static" for s in seen)
+
+
+def test_generation_batch_is_part_of_the_cache_key(tmp_path):
+    """Catches two batch sizes sharing one cache (sampled answers depend on which prompts decode together)."""
+    (tmp_path / "config.json").write_text("{}")
+    prompts = [Prompt(id="a", text="hello")]
+    keys = {cache_key(tmp_path, prompts, TeacherSettings(engine="static", generation_batch=b)) for b in (64, 256)}
+    assert len(keys) == 2
