@@ -46,6 +46,13 @@ class DataOptions:
     generation_batch: int = 64  # prompts decoded together (part of the cache key: sampled answers depend on it)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def teacher_settings(self, aux_layers: list[int] | tuple[int, ...]) -> TeacherSettings:
+        """The teacher settings (and so the cache key) these options give, with features at ``aux_layers``."""
+        return TeacherSettings(responses=self.responses, max_new_tokens=self.max_new_tokens,
+                               temperature=self.temperature, seed=self.seed, max_length=self.max_length,
+                               aux_layers=tuple(aux_layers), engine=self.engine,
+                               generation_batch=self.generation_batch)
+
 
 BRIEF_RECIPES = {"drafter": (None, 200, 5e-3), "target": (64, 40, 2e-3)}
 """Calibration prompts (None: all 300 shipped), steps and peak lr of the brief distillation per teacher, measured
@@ -100,10 +107,7 @@ def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptio
     """Teacher data for a drafter (its aux layers, in the convention of its layout unless overridden)."""
     layers = aux_layers_for(options.aux_layers or ckpt.config.aux_layer_ids, ckpt.layout if not options.aux_layers
                             else "override", target.num_layers, options.aux_convention)
-    settings = TeacherSettings(responses=options.responses, max_new_tokens=options.max_new_tokens,
-                               temperature=options.temperature, seed=options.seed, max_length=options.max_length,
-                               aux_layers=tuple(layers), engine=options.engine,
-                               generation_batch=options.generation_batch)
+    settings = options.teacher_settings(layers)
     prompts = load_prompts(options.data, limit=options.num_prompts)
     return build_teacher_data(target.path, prompts, settings, progress=progress)
 

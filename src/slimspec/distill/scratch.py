@@ -25,10 +25,7 @@ def scratch_teacher(parts: TargetParts, options: DataOptions, progress: bool) ->
     """Teacher data for a new drafter (EAGLE-3's default feature layers unless ``options`` say otherwise)."""
     from slimspec.distill.prompts import load_prompts
 
-    settings = TeacherSettings(responses=options.responses, max_new_tokens=options.max_new_tokens,
-                               temperature=options.temperature, seed=options.seed, max_length=options.max_length,
-                               aux_layers=tuple(options.aux_layers or default_aux_layers(parts.num_layers)),
-                               engine=options.engine, generation_batch=options.generation_batch)
+    settings = options.teacher_settings(options.aux_layers or default_aux_layers(parts.num_layers))
     prompts = load_prompts(options.data, limit=options.num_prompts)
     return build_teacher_data(parts.path, prompts, settings, progress=progress), settings
 
