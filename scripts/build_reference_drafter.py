@@ -37,8 +37,9 @@ MIX_ENGINE = {"v3": "static", "v4": "static"}  # teacher engine per mix (v1, v2:
 # Training warm-starts from the v3 drafter on all of them at once (concat_teacher_data: nothing is copied).
 # Part: (name, temperature, seed).
 MIX_PARTS = {"v4": ("v3", [("rest", 0.0, 0), ("sampled-a", 0.7, 1), ("sampled-b", 0.7, 2)])}
-# Prompts the static engine decodes together for a parted mix's own caches (v3's cache: 64). 256 decodes ~1.5x
-# faster than 64 on the 2-core AMD box (286 vs ~190 answer tok/s, session 14); it is part of the cache key.
+# Prompts the static engine decodes together for a parted mix's own caches (v3's cache: 64); part of the cache key.
+# Session 14's decode bench: 286 vs ~190 answer tok/s at 256 vs 64 on the 2-core AMD box; the real v4 `rest` part
+# ran at ~150 tok/s (session 16, not side by side with 64): the gain on real parts is unconfirmed.
 PART_GENERATION_BATCH = {"v4": 256}
 MIXES = sorted([*MIX_EXTRA, *MIX_MORE, *MIX_PARTS])
 WORK = ROOT / "out" / "reference"
