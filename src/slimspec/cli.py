@@ -75,8 +75,8 @@ def data_options(func):
         click.option("--bf16", is_flag=True,
                      help="Mixed-precision distillation: the drafter's forward under bf16 autocast and the KL's "
                           "logit/gradient matmuls in bf16 (softmax, KL and sums stay fp32). Faster where bf16 "
-                          "matmuls are (scripts/bench.py --only train-step measures it); logits rounded to bf16, which "
-                          "costs quality on long runs (a 2500-step build: held-out KL +6 %)."),
+                          "matmuls are (scripts/bench.py --only train-step measures it); logits rounded to bf16 "
+                          "(BENCHMARKS.md: what it costs)."),
     ]
     for option in reversed(options):
         func = option(func)
