@@ -103,3 +103,20 @@ def test_commands_and_card_follow_every_warm_start():
     assert ("It continues out/reference/smollm2-135m-eagle3-v4 (3600 steps at lr 0.002, 20 min, on all caches), "
             "which continues out/reference/smollm2-135m-eagle3-v3 (2500 steps from scratch at lr 0.003, 10 min, "
             "on the first cache only).") in " ".join(card.split())
+
+
+def test_card_reports_every_first_turn():
+    """Catches a model card that drops the all-80-first-turns measurement (the issue's measure; the first 16 prompts
+    alone read 0.046 low for v3-bf16), or shows a vLLM number an eval without vLLM never made."""
+    build = _script()
+    settings = {"dataset": "mt_bench", "num_prompts": 16, "max_new_tokens": 128, "draft_tokens": 4,
+                "temperature": 0.0}
+    ref80 = {"tau": 1.678, "acceptance_per_position": [0.41, 0.17, 0.07, 0.03]}
+    both = {"settings": settings, "tau": 1.63, "reference": {"tau": 1.632, "acceptance_per_position": [0.4] * 4},
+            "all_first_turns": {"settings": {**settings, "num_prompts": 80}, "tau": 1.679, "reference": ref80}}
+    line = " ".join(build._all_turns_rows(both).split())
+    assert line == ("On all 80 first turns (same settings): tau 1.678 (reference decoder), 1.679 (vLLM); "
+                    "acceptance per position 0.410, 0.170, 0.070, 0.030.")
+    reference_only = {**both, "all_first_turns": {"settings": {**settings, "num_prompts": 80}, **ref80}}
+    assert "vLLM" not in build._all_turns_rows(reference_only) and "1.678" in build._all_turns_rows(reference_only)
+    assert build._all_turns_rows({"settings": settings, "tau": 1.6}) == ""
