@@ -110,6 +110,7 @@ PACKAGED = ROOT / "src" / "slimspec" / "data" / "smollm2-135m-eagle3"
 EVAL = {"dataset": "mt_bench", "num_prompts": 16, "max_new_tokens": 128, "draft_tokens": 4, "temperature": 0.0}
 # Every mt_bench first turn (80): the issue's measure; the first 16 alone read v3-bf16 0.046 low (1.632 vs 1.678).
 EVAL_ALL = {**EVAL, "num_prompts": 80}
+TAU_FLOOR = 1.8  # issue 5's quality floor, on EVAL_ALL
 
 
 def main() -> int:
@@ -119,7 +120,10 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", required=True,
-                        choices=["teacher", "train", "eval", "publish", "curve", "confidence"])
+                        choices=["teacher", "train", "gate", "eval", "publish", "curve", "confidence"],
+                        help="gate: vLLM alone on all 80 first turns (~2 min; gate.json; exit 0 when tau >= "
+                             f"{TAU_FLOOR}, 3 below): the chain's cheap check between runs; eval: both engines "
+                             "(~35 min; eval.json)")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -169,6 +173,10 @@ def main() -> int:
                                              data_options=options, config=cfg, overwrite=True, resume=args.resume,
                                              every_nth_sequence=args.every_nth)
         print(json.dumps({"out": str(out), **result.summary()}))
+    elif args.stage == "gate":
+        report = gate(args.out, target)
+        print(json.dumps({k: report[k] for k in ("tau", "acceptance_per_position", "passed")}))
+        return 0 if report["passed"] else 3
     elif args.stage == "eval":
         from slimspec.evaluate.acceptance import evaluate
 
@@ -185,6 +193,24 @@ def main() -> int:
     else:
         publish(args.out, args.mix)
     return 0
+
+
+def gate(folder: Path, target: str) -> dict:
+    """tau of ``folder`` on every mt_bench first turn in vLLM alone, written to ``folder/gate.json``.
+
+    The full eval stage adds the reference decoder (~30 min for 96 prompts here); the two engines have agreed to
+    the last digit on every build so far, so a chain decides on vLLM's number and evaluates fully what it keeps.
+    """
+    from slimspec.evaluate.acceptance import eval_prompts
+    from slimspec.evaluate.vllm_engine import evaluate_vllm
+    from slimspec.hub import resolve_model
+
+    settings = {k: v for k, v in EVAL_ALL.items() if k not in ("dataset", "num_prompts")}
+    report = evaluate_vllm(folder.resolve(), resolve_model(target, "model"),
+                           prompts=eval_prompts(EVAL_ALL["dataset"], EVAL_ALL["num_prompts"]), **settings)
+    report = {"settings": EVAL_ALL, "floor": TAU_FLOOR, "passed": report["tau"] >= TAU_FLOOR, **report}
+    (folder / "gate.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
 
 
 def mix_teachers(mix: str, options, target) -> list:

@@ -120,3 +120,26 @@ def test_card_reports_every_first_turn():
     reference_only = {**both, "all_first_turns": {"settings": {**settings, "num_prompts": 80}, **ref80}}
     assert "vLLM" not in build._all_turns_rows(reference_only) and "1.678" in build._all_turns_rows(reference_only)
     assert build._all_turns_rows({"settings": settings, "tau": 1.6}) == ""
+
+
+def test_gate_measures_all_first_turns_and_passes_at_the_floor(tmp_path, monkeypatch):
+    """Catches a chain gate that measures the first 16 turns instead of all 80 (read 0.046 low on v3-bf16), a floor
+    compared the wrong way round (tau exactly 1.8 passes, 1.799 does not), and a gate.json without its settings."""
+    from slimspec.evaluate import vllm_engine
+
+    build = _script()
+    seen = {}
+
+    def fake_vllm(drafter, target, *, prompts, **settings):
+        seen.update(prompts=prompts, settings=settings)
+        return {"tau": seen["tau"], "acceptance_per_position": [0.5, 0.2, 0.08, 0.02], "num_prompts": len(prompts)}
+
+    monkeypatch.setattr(vllm_engine, "evaluate_vllm", fake_vllm)
+    for tau, passed in ((1.8, True), (1.799, False)):
+        seen["tau"] = tau
+        report = build.gate(tmp_path, "embedded:smollm2-135m")
+        assert report["passed"] is passed
+        saved = json.loads((tmp_path / "gate.json").read_text())
+        assert saved["passed"] is passed and saved["settings"]["num_prompts"] == 80
+    assert len(seen["prompts"]) == 80 and len(set(seen["prompts"])) == 80
+    assert seen["settings"] == {"max_new_tokens": 128, "draft_tokens": 4, "temperature": 0.0}
