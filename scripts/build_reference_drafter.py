@@ -2,6 +2,7 @@
 
     python scripts/build_reference_drafter.py --stage teacher   # regenerate answers, target features (cached)
     python scripts/build_reference_drafter.py --stage train     # train from scratch (EAGLE layout)
+    python scripts/build_reference_drafter.py --stage gate      # tau on all 80 mt_bench first turns, vLLM alone
     python scripts/build_reference_drafter.py --stage eval      # tau on mt_bench (reference decoder and vLLM)
     python scripts/build_reference_drafter.py --stage publish   # model card; copy into src/slimspec/data/
     python scripts/build_reference_drafter.py --stage curve     # tau of the saved training checkpoints
