@@ -207,7 +207,8 @@ def gate(folder: Path, target: str) -> dict:
     from slimspec.hub import resolve_model
 
     settings = {k: v for k, v in EVAL_ALL.items() if k not in ("dataset", "num_prompts")}
-    report = evaluate_vllm(folder.resolve(), resolve_model(target, "model"),
+    drafter = resolve_model(str(folder), "drafter").resolve()  # a missing folder fails here, not in vLLM's start-up
+    report = evaluate_vllm(drafter, resolve_model(target, "model"),
                            prompts=eval_prompts(EVAL_ALL["dataset"], EVAL_ALL["num_prompts"]), **settings)
     report = {"settings": EVAL_ALL, "floor": TAU_FLOOR, "passed": report["tau"] >= TAU_FLOOR, **report}
     (folder / "gate.json").write_text(json.dumps(report, indent=1) + "\n")
