@@ -483,4 +483,10 @@ def _bf16(cfg: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from slimspec.errors import SlimSpecError
+
+    try:
+        sys.exit(main())
+    except SlimSpecError as exc:  # bad input (a missing folder, an unknown drafter): one line, exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
