@@ -39,7 +39,8 @@ def main() -> int:
     print(f"[demo] drafter: {note}", file=sys.stderr)
     options, config = brief_distillation(args.distill_steps)
     print(f"[demo] = slimspec convert {drafter} --rank d/8 --vocab {BRIEF_VOCAB} --distill-steps {config.steps} "
-          f"--teacher {config.teacher} --lr {config.lr:g} --max-new-tokens {options.max_new_tokens}", file=sys.stderr)
+          f"--teacher {config.teacher} --lr {config.lr:g} --max-new-tokens {options.max_new_tokens} "
+          f"--generation-engine {options.engine}", file=sys.stderr)
     result = convert_briefly(drafter, target, "d/8", OUT / "smollm2-135m-eagle3-slimspec-r72",
                              steps=args.distill_steps, overwrite=True, progress=True)
     r = result.report
@@ -75,6 +76,7 @@ def main() -> int:
     print("[demo] acceptance-cost plane: trimming baselines at the same settings ...", file=sys.stderr)
     points = build_plane(drafter, target, OUT / "plane", ranks=(), trim_sizes=(4096,),
                          num_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens,
+                         calibration_prompts=options.num_prompts,  # VocabTrim counts from the teacher data above
                          base_tau=ev["baseline"]["tau"], progress=False)
     points.insert(1, PlanePoint("SlimSpec r=d/8 (above)", "slimspec", lat["nu"], ev["tau"], ev["rho_tau"],
                                 r["head_params"], str(result.out)))

@@ -70,7 +70,7 @@ def build_plane(
     ckpt = load_drafter(source)
     d, vd = ckpt.config.hidden_size, ckpt.config.draft_vocab_size
     parts = load_target_parts(target)
-    options = DataOptions(max_new_tokens=64, num_prompts=calibration_prompts)
+    options = DataOptions(max_new_tokens=64, num_prompts=calibration_prompts, engine="static")  # = brief_distillation
 
     def tau_of(folder: str) -> float:
         return evaluate(folder, target, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
