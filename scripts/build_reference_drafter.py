@@ -148,6 +148,10 @@ def main() -> int:
     parser.add_argument("--init", type=Path, default=None,
                         help="train, parted mixes (v4): the drafter to continue from (default: out/reference's "
                              "build of the base mix, e.g. smollm2-135m-eagle3-v3)")
+    parser.add_argument("--parts", default=None,
+                        help="teacher/train, parted mixes (v4): comma-separated caches to build and train on, of the "
+                             "mix's parts and its base mix (e.g. rest,sampled-a; default: all of them). A run on a "
+                             "new machine can continue the last committed build on the parts it has time to build")
     parser.add_argument("--curve-out", type=Path, default=None,
                         help="curve: where to write the curve (default: the packaged tau_curve.json)")
     args = parser.parse_args()
@@ -157,7 +161,7 @@ def main() -> int:
                           engine=MIX_ENGINE.get(base, "transformers"))
     target = "embedded:smollm2-135m"
     if args.stage == "teacher" and args.mix in MIX_PARTS:
-        for teacher in mix_teachers(args.mix, options, load_target_parts(target)):
+        for teacher in mix_teachers(args.mix, options, load_target_parts(target), _parts(args)):
             print(json.dumps({"sequences": len(teacher), "tokens": teacher.num_tokens, "cache": str(teacher.folder)}))
     elif args.stage == "teacher":
         teacher, _ = scratch_teacher(load_target_parts(target), options, progress=True)
@@ -168,7 +172,7 @@ def main() -> int:
                             train_backbone=True, seed=args.seed, bf16=args.bf16)
         if args.mix in MIX_PARTS:
             out, result = warm_train(args.mix, args.init or WORK / f"smollm2-135m-eagle3-{base}", args.out, options,
-                                     cfg, target, args.resume)
+                                     cfg, target, args.resume, _parts(args))
         else:
             out, result = train_from_scratch(target, args.out, draft_vocab=args.draft_vocab, rank=args.rank,
                                              data_options=options, config=cfg, overwrite=True, resume=args.resume,
@@ -215,28 +219,50 @@ def gate(folder: Path, target: str) -> dict:
     return report
 
 
-def mix_teachers(mix: str, options, target) -> list:
-    """Teacher data of a parted mix (``MIX_PARTS``): its parts (built here if missing, in turn), then its base mix's.
+def _parts(args) -> list[str] | None:
+    """``--parts`` as a list, checked against the mix (None: all of the mix's caches)."""
+    if args.parts is None:
+        return None
+    if args.mix not in MIX_PARTS:
+        raise SystemExit(f"--parts needs a parted mix ({', '.join(MIX_PARTS)}), not {args.mix}")
+    base, parts = MIX_PARTS[args.mix]
+    names = [n.strip() for n in args.parts.split(",") if n.strip()]
+    known = [base, *(name for name, _, _ in parts)]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(f"--parts: unknown {unknown or 'empty list'}; {args.mix} has {', '.join(known)}")
+    return names
+
+
+def mix_teachers(mix: str, options, target, only: list[str] | None = None) -> list:
+    """Teacher data of a parted mix (``MIX_PARTS``): its parts (built here if missing, in turn), then its base mix's;
+    ``only``: just these of them (names of parts or of the base mix), in the same order.
 
     The parts come first so that building them does not hold the base mix's data in memory."""
     from dataclasses import replace
 
     from slimspec.distill.scratch import scratch_teacher
 
-    _, parts = MIX_PARTS[mix]
+    base, parts = MIX_PARTS[mix]
     out = []
     for name, temperature, seed in parts:
+        if only is not None and name not in only:
+            continue
         path = write_prompts(WORK / f"prompts-{mix}-{name}.jsonl", part_rows(name))
         print(f"[build] {mix} part {name}: {path}", flush=True)
         part = replace(options, data=str(path), temperature=temperature, seed=seed, engine=MIX_ENGINE[mix],
                        generation_batch=PART_GENERATION_BATCH.get(mix, options.generation_batch))
         out.append(scratch_teacher(target, part, progress=True)[0])
+    if only is not None and base not in only:
+        return out
     return [scratch_teacher(target, options, progress=True)[0], *out]
 
 
-def warm_train(mix: str, init: Path, out: Path, options, cfg, target: str, resume: bool):
+def warm_train(mix: str, init: Path, out: Path, options, cfg, target: str, resume: bool,
+               only: list[str] | None = None):
     """Continue training the drafter at ``init`` (whole drafter, KL to the target over its draft vocabulary) on
-    every teacher cache of the parted ``mix``; written in the EAGLE layout like a from-scratch build."""
+    every teacher cache of the parted ``mix`` (``only``: these of them); written in the EAGLE layout like a
+    from-scratch build."""
     import torch
 
     from slimspec.checkpoint.drafter import load_drafter
@@ -247,7 +273,7 @@ def warm_train(mix: str, init: Path, out: Path, options, cfg, target: str, resum
 
     parts = load_target_parts(target)
     ckpt = load_drafter(init)
-    teachers = mix_teachers(mix, options, parts)
+    teachers = mix_teachers(mix, options, parts, only)
     teacher = concat_teacher_data(teachers)
     print(f"[build] {mix}: {len(teacher)} sequences, {teacher.num_tokens} tokens from {len(teachers)} caches; "
           f"continuing {init}", flush=True)
@@ -257,7 +283,8 @@ def warm_train(mix: str, init: Path, out: Path, options, cfg, target: str, resum
     draft_ids = drafter.draft_to_target(torch.arange(ckpt.config.draft_vocab_size))
     extra = {"teacher_parts": [{**p, "settings": settings} for p, settings in
                                zip(teacher.manifest["parts"], teacher.manifest["settings"], strict=True)],
-             "warm_start": {"from": str(init), "from_training": json.loads((init / "training.json").read_text())}}
+             "warm_start": {"from": str(init), "from_training": json.loads((init / "training.json").read_text())},
+             "parts": only}
     write_eagle_layout(drafter, ckpt.config, draft_ids, out, result, target,
                        SimpleNamespace(**teachers[0].manifest["settings"]), overwrite=True, training_extra=extra)
     return out, result
@@ -369,7 +396,9 @@ def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str
                            training["teacher_parts"])
         parts = (f"\nMore teacher caches ({mix_name}): the {len(part_rows('rest'))} train/ prompts the mix above left "
                  "(greedy answers), then one answer sampled at temperature 0.7 to every train/ prompt (two halves, "
-                 f"seeds 1 and 2). All caches, in order: {listed}.")
+                 f"seeds 1 and 2). "
+                 f"{'This run trained on ' + ', '.join(training['parts']) if training.get('parts') else 'All caches'}"
+                 f", in order: {listed}.")
         links = []
         records = [training, *warm_chain(training)]
         for record, earlier in zip(records, records[1:], strict=False):  # earlier: the run ``record`` continued
@@ -377,7 +406,7 @@ def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str
             links.append(f"{_shown(record['warm_start']['from'])} ({c['steps']} steps"
                          f"{' from scratch' if first else ''} at lr {c['lr']}, "
                          f"{earlier['distill']['seconds'] / 60:.0f} min, on "
-                         f"{'the first cache only' if first else 'all caches'})")
+                         f"{'the first cache only' if first else _caches(earlier)})")
         warm = " It continues " + ", which continues ".join(links) + "."
     return f"""---
 library_name: slimspec
@@ -434,6 +463,11 @@ def _all_turns_rows(evaluation: dict) -> str:
             f"{', '.join(f'{a:.3f}' for a in ref['acceptance_per_position'])}.\n")
 
 
+def _caches(training: dict) -> str:
+    """Which teacher caches a warm run trained on, as the card says it."""
+    return f"caches {', '.join(training['parts'])}" if training.get("parts") else "all caches"
+
+
 def warm_chain(training: dict) -> list[dict]:
     """The training records a parted build continued from, newest first (the last: its base mix's build)."""
     chain = []
@@ -466,13 +500,17 @@ def build_commands(mix: str, cfg: dict, training: dict, out: str | Path | None =
     outs = [*inits[1:], _shown(out or f"out/reference/smollm2-135m-eagle3-{mix}")]
     lines = [f"{run} --stage teacher --mix {base}",
              f"{run} --stage train --mix {base} --out {inits[0]} \\\n    --steps {first['steps']} "
-             f"--batch-tokens {first['batch_tokens']} --lr {first['lr']}{_bf16(first)}",
-             f"{run} --stage teacher --mix {mix}"]
+             f"--batch-tokens {first['batch_tokens']} --lr {first['lr']}{_bf16(first)}"]
+    built: set[str] = set()  # the --parts a teacher line has already named ("*": all of them)
     for t, init, folder in zip(warm_runs, inits, outs, strict=True):
         c = t["distill"]["config"]
         seed = f" --seed {c['seed']}" if c.get("seed") else ""
-        lines.append(f"{run} --stage train --mix {mix} --init {init} --out {folder} \\\n    --steps {c['steps']} "
-                     f"--batch-tokens {c['batch_tokens']} --lr {c['lr']}{seed}{_bf16(c)}")
+        parts = f" --parts {','.join(t['parts'])}" if t.get("parts") else ""
+        if "*" not in built and (not parts or not set(t["parts"]) <= built):
+            lines.append(f"{run} --stage teacher --mix {mix}{parts}")
+            built |= set(t["parts"]) if parts else {"*"}
+        lines.append(f"{run} --stage train --mix {mix} --init {init} --out {folder}{parts} \\\n    "
+                     f"--steps {c['steps']} --batch-tokens {c['batch_tokens']} --lr {c['lr']}{seed}{_bf16(c)}")
     lines += [f"{run} --stage eval --out {outs[-1]}", f"{run} --stage publish --mix {mix} --out {outs[-1]}"]
     return "\n".join(lines)
 

@@ -143,3 +143,62 @@ def test_gate_measures_all_first_turns_and_passes_at_the_floor(tmp_path, monkeyp
         assert saved["passed"] is passed and saved["settings"]["num_prompts"] == 80
     assert len(seen["prompts"]) == 80 and len(set(seen["prompts"])) == 80
     assert seen["settings"] == {"max_new_tokens": 128, "draft_tokens": 4, "temperature": 0.0}
+
+
+def test_parts_choose_caches_and_the_card_names_them(monkeypatch):
+    """Catches ``--parts`` that builds or trains on caches it was not given (a run on a fresh machine has time for
+    only some), an unknown or misspelt part accepted silently, and a card whose commands omit ``--parts`` (they
+    would rebuild a run on data it never saw)."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from slimspec.distill import scratch
+
+    build = _script()
+    assert build._parts(SimpleNamespace(mix="v4", parts="rest, v3")) == ["rest", "v3"]
+    assert build._parts(SimpleNamespace(mix="v4", parts=None)) is None
+    for bad in (SimpleNamespace(mix="v4", parts="rest,sampled-c"), SimpleNamespace(mix="v3", parts="rest"),
+                SimpleNamespace(mix="v4", parts=",")):
+        with pytest.raises(SystemExit):
+            build._parts(bad)
+    built = []
+    monkeypatch.setattr(scratch, "scratch_teacher",
+                        lambda target, options, progress: (built.append((options.temperature, options.seed)),
+                                                           None))
+    @dataclass
+    class Options:
+        data: str = ""
+        temperature: float = 0.0
+        seed: int = 0
+        engine: str = "transformers"
+        generation_batch: int = 64
+
+    assert len(build.mix_teachers("v4", Options(), "target", ["sampled-a"])) == 1
+    assert built == [(0.7, 1)]
+    built.clear()
+    assert len(build.mix_teachers("v4", Options(), "target", ["v3", "rest"])) == 2
+    assert built == [(0.0, 0), (0.0, 0)]  # rest (greedy, seed 0), then the base mix's own options
+
+    def record(steps, parts=None, warm=None):
+        config = {"steps": steps, "lr": 0.001, "batch_tokens": 2048, "seed": 1, "warmup_steps": 10, "ttt_steps": 3,
+                  "decay": 0.8, "bf16": True}
+        rec = {"distill": {"config": config, "seconds": 600, "kl_before": 2.0, "kl_after": 1.0,
+                           "tokens_per_second": 1000.0},
+               "teacher": {"max_new_tokens": 128, "aux_layers": [1, 14, 27], "engine": "static"},
+               "teacher_parts": [{"num_sequences": 10, "num_tokens": 100}], "parts": parts}
+        if warm:
+            rec["warm_start"] = {"from": str(build.ROOT / "out" / "reference" / warm[0]), "from_training": warm[1]}
+        return rec
+
+    v3 = record(2500)
+    run = record(2600, parts=["rest", "sampled-a"], warm=("smollm2-135m-eagle3-v3", v3))
+    out = build.ROOT / "out" / "reference" / "smollm2-135m-eagle3-v5"
+    lines = build.build_commands("v4", run["distill"]["config"], run, out).splitlines()
+    assert "python scripts/build_reference_drafter.py --stage teacher --mix v4 --parts rest,sampled-a" in lines
+    assert not any(line.endswith("--stage teacher --mix v4") for line in lines)
+    assert any("--out out/reference/smollm2-135m-eagle3-v5 --parts rest,sampled-a \\" in line for line in lines)
+    evaluation = {"settings": {"dataset": "mt_bench", "num_prompts": 16, "max_new_tokens": 128, "draft_tokens": 4,
+                               "temperature": 0.0},
+                  "tau": 1.7, "tokens_per_second": 20.0, "reference": {"tau": 1.7, "tokens_per_second": 20.0}}
+    card = " ".join(build.model_card(run, evaluation, 8192, "v4", out).split())
+    assert "This run trained on rest, sampled-a, in order" in card
