@@ -46,8 +46,9 @@ PART_GENERATION_BATCH = {"v4": 256}
 MIXES = sorted([*MIX_EXTRA, *MIX_MORE, *MIX_PARTS])
 WORK = ROOT / "out" / "reference"
 # oneDNN caches 1024 kernels by default; training on variable-length sequences in bf16 (AMX) meets far more shapes,
-# and every miss rebuilds a JIT kernel. Session 21 (Intel AMX): warm --bf16 steps 2.55 -> 2.0 s with 65536. Set
-# before torch is imported (main() imports it).
+# and every miss rebuilds a JIT kernel: a second pass over 318 lengths x 4 linears ran 2.4x faster with 65536
+# (session 21, Intel AMX). The real warm run: ~2.0 s/step for 300 steps after the change, then ~2.5 again (2.6-2.7
+# before): padding lengths to fewer shapes is the likelier fix. Set before torch is imported (main() imports it).
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "65536")
 
 
