@@ -8,7 +8,7 @@ rho_tau = (1 + nu k) / (1 + k); a point above a curve is faster end to end at th
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ def build_plane(
     drafter's tau at the same settings, when the caller has measured it already."""
     from slimspec.checkpoint import load_drafter
     from slimspec.convert.pipeline import convert
-    from slimspec.distill.pipeline import DataOptions, load_target_parts
+    from slimspec.distill.pipeline import brief_distillation, load_target_parts
     from slimspec.distill.prompts import load_prompts
     from slimspec.distill.scratch import scratch_teacher
     from slimspec.distill.teacher import load_target_model
@@ -70,7 +70,7 @@ def build_plane(
     ckpt = load_drafter(source)
     d, vd = ckpt.config.hidden_size, ckpt.config.draft_vocab_size
     parts = load_target_parts(target)
-    options = DataOptions(max_new_tokens=64, num_prompts=calibration_prompts, engine="static")  # = brief_distillation
+    options = replace(brief_distillation()[0], num_prompts=calibration_prompts)  # the recipe's teacher cache
 
     def tau_of(folder: str) -> float:
         return evaluate(folder, target, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
