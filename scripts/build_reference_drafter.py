@@ -226,17 +226,19 @@ def gate(folder: Path, target: str) -> dict:
 
 
 def _parts(args) -> list[str] | None:
-    """``--parts`` as a list, checked against the mix (None: all of the mix's caches)."""
+    """``--parts`` as a list, checked against the mix (None: all of the mix's caches; SlimSpecError: exit 2)."""
+    from slimspec.errors import SlimSpecError
+
     if args.parts is None:
         return None
     if args.mix not in MIX_PARTS:
-        raise SystemExit(f"--parts needs a parted mix ({', '.join(MIX_PARTS)}), not {args.mix}")
+        raise SlimSpecError(f"--parts needs a parted mix ({', '.join(MIX_PARTS)}), not {args.mix}")
     base, parts = MIX_PARTS[args.mix]
     names = [n.strip() for n in args.parts.split(",") if n.strip()]
     known = [base, *(name for name, _, _ in parts)]
     unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise SystemExit(f"--parts: unknown {unknown or 'empty list'}; {args.mix} has {', '.join(known)}")
+        raise SlimSpecError(f"--parts: unknown {unknown or 'empty list'}; {args.mix} has {', '.join(known)}")
     return names
 
 

@@ -64,26 +64,34 @@ def test_v4_parts_cover_train_once_each_and_stay_off_eval():
     assert build.mix_counts("v4") == build.mix_counts("v3")  # the card's base mix
 
 
+def _record(build, steps, lr, seconds, seed=0, warm=None, parts=None, **extra):
+    """A training.json record as warm_train writes it (``warm``: (folder name, the record it continued))."""
+    config = {"steps": steps, "lr": lr, "batch_tokens": 2048, "seed": seed, "warmup_steps": 10, "ttt_steps": 3,
+              "decay": 0.8, **extra}
+    rec = {"distill": {"config": config, "seconds": seconds, "kl_before": 2.0, "kl_after": 1.0,
+                       "tokens_per_second": 1000.0},
+           "teacher": {"max_new_tokens": 128, "aux_layers": [1, 14, 27], "engine": "static"},
+           "teacher_parts": [{"num_sequences": 10, "num_tokens": 100}]}
+    if parts is not None:
+        rec["parts"] = parts
+    if warm:
+        rec["warm_start"] = {"from": str(build.ROOT / "out" / "reference" / warm[0]), "from_training": warm[1]}
+    return rec
+
+
+_EVALUATION = {"settings": {"dataset": "mt_bench", "num_prompts": 16, "max_new_tokens": 128, "draft_tokens": 4,
+                            "temperature": 0.0},
+               "tau": 1.7, "tokens_per_second": 20.0, "reference": {"tau": 1.7, "tokens_per_second": 20.0}}
+
+
 def test_commands_and_card_follow_every_warm_start():
     """Catches a model card of a continued build (v4 continued again) that names only the first warm start: its
     commands must rebuild every run in order, each from the folder the one before wrote, with its own seed and
     precision (``--bf16`` only where the run had it; records from before the field existed have none)."""
     build = _script()
-
-    def record(steps, lr, seconds, seed=0, warm=None, **extra):
-        config = {"steps": steps, "lr": lr, "batch_tokens": 2048, "seed": seed, "warmup_steps": 10, "ttt_steps": 3,
-                  "decay": 0.8, **extra}
-        rec = {"distill": {"config": config, "seconds": seconds, "kl_before": 2.0, "kl_after": 1.0,
-                           "tokens_per_second": 1000.0},
-               "teacher": {"max_new_tokens": 128, "aux_layers": [1, 14, 27], "engine": "static"},
-               "teacher_parts": [{"num_sequences": 10, "num_tokens": 100}]}
-        if warm:
-            rec["warm_start"] = {"from": str(build.ROOT / "out" / "reference" / warm[0]), "from_training": warm[1]}
-        return rec
-
-    v3 = record(2500, 0.003, 600)
-    v4 = record(3600, 0.002, 1200, warm=("smollm2-135m-eagle3-v3", v3))
-    more = record(3600, 0.001, 2400, seed=1, warm=("smollm2-135m-eagle3-v4", v4), bf16=True)
+    v3 = _record(build, 2500, 0.003, 600)
+    v4 = _record(build, 3600, 0.002, 1200, warm=("smollm2-135m-eagle3-v3", v3))
+    more = _record(build, 3600, 0.001, 2400, seed=1, warm=("smollm2-135m-eagle3-v4", v4), bf16=True)
     out = build.ROOT / "out" / "reference" / "smollm2-135m-eagle3-v4-more"
     lines = build.build_commands("v4", more["distill"]["config"], more, out).splitlines()
     trains = [line for line in lines if "--stage train" in line]
@@ -96,10 +104,7 @@ def test_commands_and_card_follow_every_warm_start():
                      "    --steps 3600 --batch-tokens 2048 --lr 0.001 --seed 1 --bf16"]
     assert lines[-1] == "python scripts/build_reference_drafter.py --stage publish --mix v4 --out " \
                         "out/reference/smollm2-135m-eagle3-v4-more"
-    evaluation = {"settings": {"dataset": "mt_bench", "num_prompts": 16, "max_new_tokens": 128, "draft_tokens": 4,
-                               "temperature": 0.0},
-                  "tau": 1.7, "tokens_per_second": 20.0, "reference": {"tau": 1.7, "tokens_per_second": 20.0}}
-    card = build.model_card(more, evaluation, 8192, "v4", out)
+    card = build.model_card(more, _EVALUATION, 8192, "v4", out)
     assert ("It continues out/reference/smollm2-135m-eagle3-v4 (3600 steps at lr 0.002, 20 min, on all caches), "
             "which continues out/reference/smollm2-135m-eagle3-v3 (2500 steps from scratch at lr 0.003, 10 min, "
             "on the first cache only).") in " ".join(card.split())
@@ -149,56 +154,36 @@ def test_parts_choose_caches_and_the_card_names_them(monkeypatch):
     """Catches ``--parts`` that builds or trains on caches it was not given (a run on a fresh machine has time for
     only some), an unknown or misspelt part accepted silently, and a card whose commands omit ``--parts`` (they
     would rebuild a run on data it never saw)."""
-    from dataclasses import dataclass
     from types import SimpleNamespace
 
     from slimspec.distill import scratch
+    from slimspec.distill.pipeline import DataOptions
+    from slimspec.errors import SlimSpecError
 
     build = _script()
     assert build._parts(SimpleNamespace(mix="v4", parts="rest, v3")) == ["rest", "v3"]
     assert build._parts(SimpleNamespace(mix="v4", parts=None)) is None
     for bad in (SimpleNamespace(mix="v4", parts="rest,sampled-c"), SimpleNamespace(mix="v3", parts="rest"),
                 SimpleNamespace(mix="v4", parts=",")):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SlimSpecError, match="--parts"):
             build._parts(bad)
     built = []
     monkeypatch.setattr(scratch, "scratch_teacher",
                         lambda target, options, progress: (built.append((options.temperature, options.seed)),
                                                            None))
-    @dataclass
-    class Options:
-        data: str = ""
-        temperature: float = 0.0
-        seed: int = 0
-        engine: str = "transformers"
-        generation_batch: int = 64
-
-    assert len(build.mix_teachers("v4", Options(), "target", ["sampled-a"])) == 1
+    assert len(build.mix_teachers("v4", DataOptions(), "target", ["sampled-a"])) == 1
     assert built == [(0.7, 1)]
     built.clear()
-    assert len(build.mix_teachers("v4", Options(), "target", ["v3", "rest"])) == 2
+    assert len(build.mix_teachers("v4", DataOptions(), "target", ["v3", "rest"])) == 2
     assert built == [(0.0, 0), (0.0, 0)]  # rest (greedy, seed 0), then the base mix's own options
 
-    def record(steps, parts=None, warm=None):
-        config = {"steps": steps, "lr": 0.001, "batch_tokens": 2048, "seed": 1, "warmup_steps": 10, "ttt_steps": 3,
-                  "decay": 0.8, "bf16": True}
-        rec = {"distill": {"config": config, "seconds": 600, "kl_before": 2.0, "kl_after": 1.0,
-                           "tokens_per_second": 1000.0},
-               "teacher": {"max_new_tokens": 128, "aux_layers": [1, 14, 27], "engine": "static"},
-               "teacher_parts": [{"num_sequences": 10, "num_tokens": 100}], "parts": parts}
-        if warm:
-            rec["warm_start"] = {"from": str(build.ROOT / "out" / "reference" / warm[0]), "from_training": warm[1]}
-        return rec
-
-    v3 = record(2500)
-    run = record(2600, parts=["rest", "sampled-a"], warm=("smollm2-135m-eagle3-v3", v3))
+    v3 = _record(build, 2500, 0.001, 600, seed=1, bf16=True)
+    run = _record(build, 2600, 0.001, 600, seed=1, parts=["rest", "sampled-a"], warm=("smollm2-135m-eagle3-v3", v3),
+                  bf16=True)
     out = build.ROOT / "out" / "reference" / "smollm2-135m-eagle3-v5"
     lines = build.build_commands("v4", run["distill"]["config"], run, out).splitlines()
     assert "python scripts/build_reference_drafter.py --stage teacher --mix v4 --parts rest,sampled-a" in lines
     assert not any(line.endswith("--stage teacher --mix v4") for line in lines)
     assert any("--out out/reference/smollm2-135m-eagle3-v5 --parts rest,sampled-a \\" in line for line in lines)
-    evaluation = {"settings": {"dataset": "mt_bench", "num_prompts": 16, "max_new_tokens": 128, "draft_tokens": 4,
-                               "temperature": 0.0},
-                  "tau": 1.7, "tokens_per_second": 20.0, "reference": {"tau": 1.7, "tokens_per_second": 20.0}}
-    card = " ".join(build.model_card(run, evaluation, 8192, "v4", out).split())
+    card = " ".join(build.model_card(run, _EVALUATION, 8192, "v4", out).split())
     assert "This run trained on rest, sampled-a, in order" in card
