@@ -119,6 +119,61 @@ def student_outputs(drafter: Eagle3Drafter, teacher: TeacherData, index: int, st
     return hidden, teacher_index, weight
 
 
+PAD_MULTIPLE = 64
+"""Padded lengths of batched sequences are multiples of this: few distinct shapes, so oneDNN reuses its kernels."""
+PAD_WASTE = 1.25
+"""A group of sequences padded to one length may hold at most this many times their real positions."""
+
+
+def _padded(length: int) -> int:
+    return -(-length // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices into ``lengths`` grouped for right-padded batches: sorted by length, a group grows while its
+    padded size (members x the longest, rounded up to ``PAD_MULTIPLE``) stays within ``PAD_WASTE`` x its real
+    positions (or one ``PAD_MULTIPLE`` per member, for short ones)."""
+    groups: list[list[int]] = []
+    real = 0
+    for j in sorted(range(len(lengths)), key=lambda j: lengths[j]):
+        if groups:
+            size = (len(groups[-1]) + 1) * _padded(lengths[j])
+            if size <= max(PAD_WASTE * (real + lengths[j]), PAD_MULTIPLE * (len(groups[-1]) + 1)):
+                groups[-1].append(j)
+                real += lengths[j]
+                continue
+        groups.append([j])
+        real = lengths[j]
+    return groups
+
+
+def batched_student_outputs(drafter: Eagle3Drafter, teacher: TeacherData, indices: list[int], steps: int,
+                            source_rows: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """``student_outputs`` of each of ``indices`` (same order), computed in right-padded batches of similar
+    lengths (``length_groups``). Exact: attention is causal and the TTT steps' extra keys are per position, so
+    padding after a sequence changes none of its positions; it only replaces many small, differently shaped
+    passes by a few larger ones of recurring shapes."""
+    inputs = [_sequence_inputs(teacher, i, steps, source_rows) for i in indices]
+    results: list = [None] * len(indices)
+    present = [j for j, x in enumerate(inputs) if x is not None]
+    dtype = drafter.fc.weight.dtype
+    for group in length_groups([inputs[j][1] for j in present]):
+        members = [present[g] for g in group]
+        width = _padded(max(inputs[j][1] for j in members))
+        ids = torch.zeros(len(members), width + steps, dtype=torch.long)
+        aux = torch.zeros(len(members), width, teacher.aux.shape[1], dtype=dtype)
+        for row, j in enumerate(members):
+            seq, positions = inputs[j][0], inputs[j][1]
+            ids[row, :positions + steps] = seq["input_ids"]
+            aux[row, :positions] = seq["aux"][:positions].to(dtype)
+        outs = drafter.ttt_forward(ids, aux, steps)
+        hidden = torch.stack([drafter.normed(h) for h in outs], dim=2)  # [B, width, k, H]
+        for row, j in enumerate(members):
+            _, positions, teacher_index, weight = inputs[j]
+            results[j] = (hidden[row, :positions], teacher_index, weight)
+    return results
+
+
 @torch.no_grad()
 def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list[int], steps: int,
                      progress: bool = False, all_positions: bool = False,
@@ -129,11 +184,9 @@ def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list
     teacher, whose targets are the source head's outputs on these very states, not the next tokens.
     ``source_rows``: teacher rows index ``source_states`` (the drafter teacher while the backbone trains).
     """
-    from tqdm.auto import tqdm
 
     parts = []
-    for i in tqdm(indices, desc="[slimspec] drafter features", disable=not progress, leave=False):
-        out = student_outputs(drafter, teacher, i, steps, source_rows)
+    for out in _in_batches(drafter, teacher, indices, steps, source_rows, progress, "drafter features"):
         if out is not None:
             hidden, teacher_index, weight = out
             if all_positions:
@@ -147,6 +200,24 @@ def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list
     return StudentFeatures(hidden=torch.cat([p[0] for p in parts]).float(),
                            teacher_index=torch.cat([p[1] for p in parts]),
                            weight=torch.cat([p[2] for p in parts]))
+
+
+def _in_batches(drafter, teacher, indices, steps, source_rows, progress, desc, tokens=8192):
+    """``batched_student_outputs`` of ``indices`` in order, a slice of about ``tokens`` positions at a time."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(indices), desc=f"[slimspec] {desc}", disable=not progress, leave=False)
+    start = 0
+    while start < len(indices):
+        end, count = start, 0
+        while end < len(indices) and (end == start or count < tokens):
+            i = indices[end]
+            count += int(teacher.starts[i + 1] - teacher.starts[i])
+            end += 1
+        yield from batched_student_outputs(drafter, teacher, indices[start:end], steps, source_rows)
+        bar.update(end - start)
+        start = end
+    bar.close()
 
 
 def head_factors(drafter: Eagle3Drafter) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,12 +251,10 @@ def source_states(drafter: Eagle3Drafter, teacher: TeacherData, indices: list[in
     are the drafter teacher's inputs while the backbone trains: the source head must score the *source*
     backbone's states, not the moving student's.
     """
-    from tqdm.auto import tqdm
 
     k, size = steps, drafter.config.hidden_size
     out = torch.zeros(teacher.num_tokens * k, size)
-    for i in tqdm(indices, desc="[slimspec] source drafter states", disable=not progress, leave=False):
-        res = student_outputs(drafter, teacher, i, steps, source_rows=True)
+    for res in _in_batches(drafter, teacher, indices, steps, True, progress, "source drafter states"):
         if res is not None:
             out[res[1].reshape(-1)] = res[0].reshape(-1, size).float()
     return out
@@ -410,7 +479,7 @@ def _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world, so
         count += max(0, int(teacher.starts[i + 1] - teacher.starts[i]) - cfg.ttt_steps)
         if len(chosen) > 10 * len(train_idx):
             break
-    parts = [student_outputs(drafter, teacher, i, cfg.ttt_steps, source_rows) for i in chosen[rank::world]]
+    parts = batched_student_outputs(drafter, teacher, chosen[rank::world], cfg.ttt_steps, source_rows)
     parts = [p for p in parts if p is not None]
     if source_rows:
         parts = [(h, index, torch.ones_like(w)) for h, index, w in parts]
