@@ -184,7 +184,6 @@ def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list
     teacher, whose targets are the source head's outputs on these very states, not the next tokens.
     ``source_rows``: teacher rows index ``source_states`` (the drafter teacher while the backbone trains).
     """
-
     parts = []
     for out in _in_batches(drafter, teacher, indices, steps, source_rows, progress, "drafter features"):
         if out is not None:
@@ -251,7 +250,6 @@ def source_states(drafter: Eagle3Drafter, teacher: TeacherData, indices: list[in
     are the drafter teacher's inputs while the backbone trains: the source head must score the *source*
     backbone's states, not the moving student's.
     """
-
     k, size = steps, drafter.config.hidden_size
     out = torch.zeros(teacher.num_tokens * k, size)
     for res in _in_batches(drafter, teacher, indices, steps, True, progress, "source drafter states"):
