@@ -314,16 +314,9 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def bench_train_step(repeats: int = 5) -> list[str]:
-    """One from-scratch training step of a SmolLM2-135M-shaped drafter (what rebuilding the reference drafter
-    costs): fp32 vs ``--bf16``, each with the KL's elementwise passes fused by torch.compile (the default) and op
-    by op (``SLIMSPEC_COMPILE=0``), the four interleaved in one process; random weights and features."""
-    import os
-    import types
-
+def _smollm2_shaped_drafter() -> tuple[torch.nn.Module, torch.Tensor]:
+    """A trainable drafter shaped like the reference one (seed 0; random weights) and a [8192, 576] teacher head."""
     from slimspec.checkpoint.drafter import DrafterConfig
-    from slimspec.distill.loss import COMPILE_ENV
-    from slimspec.distill.train import kl_terms
     from slimspec.model import Eagle3Drafter, FullHead
 
     torch.manual_seed(0)
@@ -335,7 +328,19 @@ def bench_train_step(repeats: int = 5) -> list[str]:
             if not name.startswith("lm_head"):
                 param.normal_(0, 0.02) if param.dim() > 1 else param.fill_(1.0)
     drafter.requires_grad_(True)
-    teacher_head = torch.randn(8192, 576) * 0.05
+    return drafter, torch.randn(8192, 576) * 0.05
+
+
+def bench_train_step(repeats: int = 5) -> list[str]:
+    """One from-scratch training step of a SmolLM2-135M-shaped drafter (what rebuilding the reference drafter
+    costs): fp32 vs ``--bf16``, each with the KL's elementwise passes fused by torch.compile (the default) and op
+    by op (``SLIMSPEC_COMPILE=0``), the four interleaved in one process; random weights and features."""
+    import types
+
+    from slimspec.distill.loss import COMPILE_ENV
+    from slimspec.distill.train import kl_terms
+
+    drafter, teacher_head = _smollm2_shaped_drafter()
     seqs = [(torch.randint(0, 49152, (1, 208)), torch.randn(1, 205, 1728)) for _ in range(10)]  # 2050 positions
     teacher = types.SimpleNamespace(final=torch.randn(len(seqs) * 208, 576) * 3)
     index = torch.randint(0, teacher.final.shape[0], (sum(aux.shape[1] for _, aux in seqs), 3))
@@ -395,27 +400,16 @@ def bench_train_batch(steps: int = 12) -> list[str]:
     """The backbone-training step of ``--stage train`` (TTT forward, KL, backward; bf16 autocast as ``--bf16``)
     with each drawn sequence run on its own vs in right-padded batches of similar lengths
     (``batched_student_outputs``): fresh draws every step, lengths like the v4 teacher caches'."""
-    from slimspec.checkpoint.drafter import DrafterConfig
     from slimspec.distill.teacher import TeacherData
     from slimspec.distill.train import batched_student_outputs, kl_terms, student_outputs
-    from slimspec.model import Eagle3Drafter, FullHead
 
-    torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                        intermediate_size=1536, target_hidden_size=576, vocab_size=49152, draft_vocab_size=8192)
-    drafter = Eagle3Drafter(cfg, head=FullHead(torch.randn(8192, 576) * 0.05), embed_weight=torch.randn(49152, 576))
-    with torch.no_grad():
-        for name, param in drafter.named_parameters():
-            if not name.startswith("lm_head"):
-                param.normal_(0, 0.02) if param.dim() > 1 else param.fill_(1.0)
-    drafter.requires_grad_(True)
+    drafter, teacher_head = _smollm2_shaped_drafter()
     # v4 caches: 15.4k sequences, mean 201 tokens, 5-95 % 135-256, longest 768
     lengths = (torch.randn(2000) * 38 + 201).clamp(40, 768).long()
     starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     n = int(starts[-1])
     teacher = TeacherData(input_ids=torch.randint(0, 49152, (n,)), loss_mask=torch.ones(n, dtype=torch.bool),
                           aux=torch.randn(n, 1728).bfloat16(), final=torch.randn(n, 576) * 3, starts=starts)
-    teacher_head = torch.randn(8192, 576) * 0.05
     generator = torch.Generator().manual_seed(1)
 
     def draw() -> list[int]:
