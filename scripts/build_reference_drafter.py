@@ -1,6 +1,7 @@
 """Rebuild the embedded default's reference EAGLE-3 drafter for SmolLM2-135M-Instruct (issue 5).
 
     python scripts/build_reference_drafter.py --stage teacher   # regenerate answers, target features (cached)
+    python scripts/build_reference_drafter.py --stage save-answers  # answers done so far -> reference/answers/
     python scripts/build_reference_drafter.py --stage train     # train from scratch (EAGLE layout)
     python scripts/build_reference_drafter.py --stage gate      # tau on all 80 mt_bench first turns, vLLM alone
     python scripts/build_reference_drafter.py --stage eval      # tau on mt_bench (reference decoder and vLLM)
@@ -45,6 +46,9 @@ MIX_PARTS = {"v4": ("v3", [("rest", 0.0, 0), ("sampled-a", 0.7, 1), ("sampled-b"
 PART_GENERATION_BATCH = {"v4": 256}
 MIXES = sorted([*MIX_EXTRA, *MIX_MORE, *MIX_PARTS])
 WORK = ROOT / "out" / "reference"
+# Saved answers of every teacher cache (token ids, gzipped: ~1 MB per 100k answer tokens), committed: a machine
+# change loses the caches (~4.6 KB a token), and a rebuild from the answers costs one forward, not a decode.
+ANSWERS = ROOT / "reference" / "answers"
 # oneDNN caches 1024 kernels by default; training on variable-length sequences in bf16 (AMX) meets far more shapes,
 # and every miss rebuilds a JIT kernel: a second pass over 318 lengths x 4 linears ran 2.4x faster with 65536
 # (session 21, Intel AMX). The real warm run: ~2.0 s/step for 300 steps after the change, then ~2.5 again (2.6-2.7
@@ -128,7 +132,8 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", required=True,
-                        choices=["teacher", "train", "gate", "eval", "publish", "curve", "confidence"],
+                        choices=["teacher", "save-answers", "train", "gate", "eval", "publish", "curve",
+                                 "confidence"],
                         help="gate: vLLM alone on all 80 first turns (~2 min; gate.json; exit 0 when tau >= "
                              f"{TAU_FLOOR}, 3 below): the chain's cheap check between runs; eval: both engines "
                              "(~35 min; eval.json)")
@@ -165,13 +170,19 @@ def main() -> int:
     base = MIX_PARTS[args.mix][0] if args.mix in MIX_PARTS else args.mix
     prompts = compose_prompts(WORK / f"prompts-{base}.jsonl", base)
     options = DataOptions(data=str(prompts), responses="regenerate", max_new_tokens=128, max_length=768,
-                          engine=MIX_ENGINE.get(base, "transformers"))
+                          engine=MIX_ENGINE.get(base, "transformers"), answers=str(answers_file(base)))
     target = "embedded:smollm2-135m"
-    if args.stage == "teacher" and args.mix in MIX_PARTS:
+    if args.stage == "save-answers":
+        parts = load_target_parts(target)
+        named = mix_options(args.mix, options, _parts(args)) if args.mix in MIX_PARTS else [(base, options)]
+        for _, part in named:
+            save_teacher_answers(parts, part)
+    elif args.stage == "teacher" and args.mix in MIX_PARTS:
         for teacher in mix_teachers(args.mix, options, load_target_parts(target), _parts(args)):
             print(json.dumps({"sequences": len(teacher), "tokens": teacher.num_tokens, "cache": str(teacher.folder)}))
     elif args.stage == "teacher":
         teacher, _ = scratch_teacher(load_target_parts(target), options, progress=True)
+        save_teacher_answers(load_target_parts(target), options)
         print(json.dumps({"sequences": len(teacher), "tokens": teacher.num_tokens, "cache": str(teacher.folder)}))
     elif args.stage == "train":
         cfg = DistillConfig(steps=args.steps, lr=args.lr, warmup_steps=max(10, args.steps // 30),
@@ -243,14 +254,14 @@ def _parts(args) -> list[str] | None:
     return names
 
 
-def mix_teachers(mix: str, options, target, only: list[str] | None = None) -> list:
-    """Teacher data of a parted mix (``MIX_PARTS``): its parts (built here if missing, in turn), then its base mix's;
-    ``only``: just these of them (names of parts or of the base mix), in the same order.
+def answers_file(mix: str, part: str | None = None) -> Path:
+    """Where the saved answers of a mix's teacher cache (or of one part of a parted mix) are committed."""
+    return ANSWERS / (f"{mix}-{part}.jsonl.gz" if part else f"{mix}.jsonl.gz")
 
-    The parts come first so that building them does not hold the base mix's data in memory."""
+
+def mix_options(mix: str, options, only: list[str] | None = None) -> list[tuple[str, object]]:
+    """(name, DataOptions) of each teacher cache of a parted mix: its parts, then its base mix (``only``: these)."""
     from dataclasses import replace
-
-    from slimspec.distill.scratch import scratch_teacher
 
     base, parts = MIX_PARTS[mix]
     out = []
@@ -258,13 +269,54 @@ def mix_teachers(mix: str, options, target, only: list[str] | None = None) -> li
         if only is not None and name not in only:
             continue
         path = write_prompts(WORK / f"prompts-{mix}-{name}.jsonl", part_rows(name))
-        print(f"[build] {mix} part {name}: {path}", flush=True)
-        part = replace(options, data=str(path), temperature=temperature, seed=seed, engine=MIX_ENGINE[mix],
-                       generation_batch=PART_GENERATION_BATCH.get(mix, options.generation_batch))
-        out.append(scratch_teacher(target, part, progress=True)[0])
-    if only is not None and base not in only:
-        return out
-    return [scratch_teacher(target, options, progress=True)[0], *out]
+        out.append((name, replace(options, data=str(path), temperature=temperature, seed=seed, engine=MIX_ENGINE[mix],
+                                  generation_batch=PART_GENERATION_BATCH.get(mix, options.generation_batch),
+                                  answers=str(answers_file(mix, name)))))
+    if only is None or base in only:
+        out.append((base, options))
+    return out
+
+
+def mix_teachers(mix: str, options, target, only: list[str] | None = None) -> list:
+    """Teacher data of a parted mix (``MIX_PARTS``): its parts (built here if missing, in turn), then its base mix's;
+    ``only``: just these of them (names of parts or of the base mix), in the same order. Each cache built here
+    saves its answers (``answers_file``: commit them, and a new machine rebuilds the cache without decoding).
+
+    The parts come first so that building them does not hold the base mix's data in memory."""
+    from slimspec.distill.scratch import scratch_teacher
+
+    named = mix_options(mix, options, only)
+    out = []
+    for name, part in named:
+        print(f"[build] {mix} cache {name}: {part.data}", flush=True)
+        teacher = scratch_teacher(target, part, progress=True)[0]
+        save_teacher_answers(target, part)
+        out.append(teacher)
+    return [*out[-1:], *out[:-1]] if named and named[-1][0] == MIX_PARTS[mix][0] else out
+
+
+def save_teacher_answers(target, options) -> dict:
+    """Save the answers of the teacher cache ``options`` give (finished, or the batches an unfinished build has
+    done) to ``options.answers``, unless the file already holds as many."""
+    from slimspec.distill.answers import answers_in_progress, answers_of_cache, load_answers, save_answers
+    from slimspec.distill.prompts import load_prompts
+    from slimspec.distill.teacher import default_aux_layers, teacher_location
+
+    prompts = load_prompts(options.data, limit=options.num_prompts)
+    settings = options.teacher_settings(options.aux_layers or default_aux_layers(target.num_layers))
+    where = teacher_location(target.path, prompts, settings)
+    path = Path(options.answers)
+    saved = load_answers(path, where.key)
+    if (where.folder / "manifest.json").exists():
+        answers = answers_of_cache(where.folder)
+    else:
+        answers = {**saved, **answers_in_progress(where.work)}
+    if len(answers) > len(saved):
+        save_answers(path, where.key, len(prompts), answers)
+    report = {"file": str(path.relative_to(ROOT)), "key": where.key, "answers": max(len(answers), len(saved)),
+              "prompts": len(prompts), "bytes": path.stat().st_size if path.exists() else 0}
+    print(json.dumps(report), flush=True)
+    return report
 
 
 def warm_train(mix: str, init: Path, out: Path, options, cfg, target: str, resume: bool,

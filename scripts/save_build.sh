@@ -1,23 +1,22 @@
 #!/usr/bin/env bash
-# Commit a reference build's small files (config, weights, training/eval/gate json, card) to branch `builds`, so a
-# machine change (which loses out/ and every cache) keeps it; main's work tree and index are not touched.
-# Usage: scripts/save_build.sh out/reference/<build-folder>   (next session: git show builds:<name>/<file>)
+# Keep a reference build on main: copy its small files (config, fp16 weights ~20 MB, training/eval/gate json, card)
+# to reference/builds/<name>/ and commit them, so a new machine (which has lost out/ and every cache) continues it:
+#   --stage train --init reference/builds/<name> ...
+# Only what lands on main survives a machine change (a side branch did not, session 23). Older builds leave the
+# tree (git history keeps them: git show <commit>:reference/builds/<old>/...).
+# Usage: scripts/save_build.sh out/reference/<build-folder>
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1%/}"; name="$(basename "$dir")"
-# a clone may hold the branch only as origin/builds: continue that one
-git rev-parse -q --verify builds >/dev/null || git branch builds origin/builds 2>/dev/null || true
-export GIT_INDEX_FILE="$(mktemp)"
-rm -f "$GIT_INDEX_FILE"
-git read-tree builds 2>/dev/null || true  # a first build starts the branch
-for f in config.json pytorch_model.bin training.json eval.json gate.json README.md; do
-  [[ -f "$dir/$f" ]] || continue
-  blob=$(git hash-object -w "$dir/$f")
-  git update-index --add --cacheinfo 100644 "$blob" "$name/$f"
+[[ -f "$dir/config.json" && -f "$dir/pytorch_model.bin" ]] || { echo "$dir: not a build folder" >&2; exit 2; }
+keep="reference/builds/$name"
+for old in reference/builds/*/; do
+  [[ -d "$old" && "${old%/}" != "$keep" ]] && git rm -rq --ignore-unmatch "${old%/}" && rm -rf "${old%/}"
 done
-tree=$(git write-tree)
-parent=$(git rev-parse -q --verify builds >/dev/null && echo "-p builds" || true)
-commit=$(git commit-tree "$tree" $parent -m "build $name ($(date -u +%F))")
-git update-ref refs/heads/builds "$commit"
-rm -f "$GIT_INDEX_FILE"
-git log --oneline -1 builds
+mkdir -p "$keep"
+for f in config.json pytorch_model.bin training.json eval.json gate.json README.md; do
+  [[ -f "$dir/$f" ]] && cp "$dir/$f" "$keep/$f"
+done
+git add "$keep"
+git commit -qm "reference build $name ($(date -u +%F))" -- reference/builds
+git log --oneline -1

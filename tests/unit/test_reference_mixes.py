@@ -167,15 +167,20 @@ def test_parts_choose_caches_and_the_card_names_them(monkeypatch):
                 SimpleNamespace(mix="v4", parts=",")):
         with pytest.raises(SlimSpecError, match="--parts"):
             build._parts(bad)
-    built = []
+    built, saved = [], []
     monkeypatch.setattr(scratch, "scratch_teacher",
                         lambda target, options, progress: (built.append((options.temperature, options.seed)),
                                                            None))
+    monkeypatch.setattr(build, "save_teacher_answers", lambda target, options: saved.append(options.answers))
     assert len(build.mix_teachers("v4", DataOptions(), "target", ["sampled-a"])) == 1
     assert built == [(0.7, 1)]
+    assert saved == [str(build.ANSWERS / "v4-sampled-a.jsonl.gz")]  # each cache saves its answers to its own file
     built.clear()
-    assert len(build.mix_teachers("v4", DataOptions(), "target", ["v3", "rest"])) == 2
+    saved.clear()
+    base = DataOptions(answers=str(build.answers_file("v3")))
+    assert len(build.mix_teachers("v4", base, "target", ["v3", "rest"])) == 2
     assert built == [(0.0, 0), (0.0, 0)]  # rest (greedy, seed 0), then the base mix's own options
+    assert saved == [str(build.ANSWERS / "v4-rest.jsonl.gz"), str(build.ANSWERS / "v3.jsonl.gz")]
 
     v3 = _record(build, 2500, 0.001, 600, seed=1, bf16=True)
     run = _record(build, 2600, 0.001, 600, seed=1, parts=["rest", "sampled-a"], warm=("smollm2-135m-eagle3-v3", v3),

@@ -16,18 +16,24 @@ def _prompts(tmp_path: Path) -> str:
     return str(path)
 
 
-def test_generation_batch_reaches_settings(tmp_path, monkeypatch):
+def test_generation_batch_and_answers_reach_the_teacher(tmp_path, monkeypatch):
     """Catches ``DataOptions.generation_batch`` dropped on the way (the reference build's v4 parts decode 256 prompts
-    at a time: dropped, they would silently decode 64 and miss the caches a resumed build already wrote)."""
+    at a time: dropped, they would silently decode 64 and miss the caches a resumed build already wrote), and
+    ``DataOptions.answers`` dropped (a new machine would decode again what its saved answers hold)."""
     seen = []
-    monkeypatch.setattr(scratch, "build_teacher_data", lambda path, prompts, settings, progress: seen.append(settings))
-    monkeypatch.setattr(pipeline, "build_teacher_data", lambda path, prompts, settings, progress: seen.append(settings))
-    options = DataOptions(data=_prompts(tmp_path), generation_batch=256, engine="static")
+
+    def record(path, prompts, settings, progress, answers=None):
+        seen.append((settings, answers))
+
+    monkeypatch.setattr(scratch, "build_teacher_data", record)
+    monkeypatch.setattr(pipeline, "build_teacher_data", record)
+    options = DataOptions(data=_prompts(tmp_path), generation_batch=256, engine="static", answers="a.jsonl.gz")
     scratch.scratch_teacher(SimpleNamespace(path=tmp_path, num_layers=30), options, progress=False)
     ckpt = SimpleNamespace(config=SimpleNamespace(aux_layer_ids=[1, 14, 27]), layout="eagle")
     pipeline.teacher_for(ckpt, SimpleNamespace(path=tmp_path, num_layers=30), options, progress=False)
-    assert [s.generation_batch for s in seen] == [256, 256]
-    assert all(s.engine == "static" for s in seen)
+    assert [s.generation_batch for s, _ in seen] == [256, 256]
+    assert all(s.engine == "static" for s, _ in seen)
+    assert [a for _, a in seen] == [Path("a.jsonl.gz")] * 2
 
 
 def test_generation_batch_is_part_of_the_cache_key(tmp_path):

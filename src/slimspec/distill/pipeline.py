@@ -44,6 +44,7 @@ class DataOptions:
     aux_convention: str | None = None
     engine: str = "transformers"  # TeacherSettings.engine: "static" decodes and takes features in the same passes
     generation_batch: int = 64  # prompts decoded together (part of the cache key: sampled answers depend on it)
+    answers: str | None = None  # saved answers of this teacher data (slimspec.distill.answers): not decoded again
     extra: dict[str, Any] = field(default_factory=dict)
 
     def teacher_settings(self, aux_layers: list[int] | tuple[int, ...]) -> TeacherSettings:
@@ -111,7 +112,8 @@ def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptio
                             else "override", target.num_layers, options.aux_convention)
     settings = options.teacher_settings(layers)
     prompts = load_prompts(options.data, limit=options.num_prompts)
-    return build_teacher_data(target.path, prompts, settings, progress=progress)
+    return build_teacher_data(target.path, prompts, settings, progress=progress,
+                              answers=Path(options.answers) if options.answers else None)
 
 
 def drafter_model(ckpt: DrafterCheckpoint, target: TargetParts) -> Eagle3Drafter:

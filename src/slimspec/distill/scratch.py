@@ -27,7 +27,8 @@ def scratch_teacher(parts: TargetParts, options: DataOptions, progress: bool) ->
 
     settings = options.teacher_settings(options.aux_layers or default_aux_layers(parts.num_layers))
     prompts = load_prompts(options.data, limit=options.num_prompts)
-    return build_teacher_data(parts.path, prompts, settings, progress=progress), settings
+    answers = Path(options.answers) if options.answers else None
+    return build_teacher_data(parts.path, prompts, settings, progress=progress, answers=answers), settings
 
 
 def frequent_response_tokens(teacher: TeacherData, count: int) -> torch.Tensor:

@@ -176,3 +176,28 @@ def static_decode(model, prefixes: list[list[int]], max_new_tokens: int, *, eos_
             seq.final = torch.cat([prompt_final[row, start:], gen_final[row, :n]])
         results.append(seq)
     return results
+
+
+@torch.no_grad()
+def static_prefill(model, sequences: list[list[int]], capture: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
+    """Features (aux [T, n*H], final [T, H]) of whole known sequences, one right-padded batch, one pass.
+
+    What :func:`static_decode` captures for prefix + response, for answers generated before (saved answers): the
+    same modules over the same positions, without decoding token by token."""
+    cfg = model.config
+    batch, width = len(sequences), max(len(s) for s in sequences)
+    _, kv_heads, head_dim = _attention_shape(cfg)
+    dtype = model.base_model.embed_tokens.weight.dtype
+    cache = _StaticCache(cfg.num_hidden_layers, batch, kv_heads, width, head_dim, dtype)
+    ids = torch.zeros((batch, width), dtype=torch.long)
+    valid = torch.zeros(batch, width, dtype=torch.bool)
+    for row, s in enumerate(sequences):
+        ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
+        valid[row, : len(s)] = True
+    positions = torch.arange(width)[None].expand(batch, width)
+    causal = torch.arange(width)[None] <= torch.arange(width)[:, None]  # [query, key]
+    # Right-padding rows (after a sequence's end) see only real keys before them and stay finite; they are dropped.
+    mask = (causal[None] & valid[:, None, :])[:, None]
+    final, states = _forward(model, ids, positions, cache, 0, mask, tuple(capture))
+    aux = torch.cat(states, dim=-1)
+    return [(aux[row, : len(s)], final[row, : len(s)]) for row, s in enumerate(sequences)]

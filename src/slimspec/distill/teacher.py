@@ -131,6 +131,32 @@ def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSetting
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
+@dataclass
+class TeacherLocation:
+    """Where the teacher data of a target, prompt set and settings lives (and its partial work)."""
+
+    key: str
+    root: Path  # the cache root
+    folder: Path  # the finished cache
+    work: Path  # the static engine's finished batches of an unfinished build
+    num_layers: int
+
+
+def teacher_location(target_path: Path, prompts: list[Prompt], settings: TeacherSettings,
+                     cache_root: Path | None = None) -> TeacherLocation:
+    """The cache key and folders of this teacher data (``settings.aux_layers`` gets the default when unset)."""
+    from slimspec.embedded import cache_dir
+
+    target_path = Path(target_path)
+    config = json.loads((target_path / "config.json").read_text())
+    num_layers = int(config.get("num_hidden_layers") or config.get("text_config", {}).get("num_hidden_layers"))
+    if settings.aux_layers is None:
+        settings.aux_layers = default_aux_layers(num_layers)
+    key = cache_key(target_path, prompts, settings)
+    root = Path(cache_root or os.environ.get("SLIMSPEC_TEACHER_CACHE") or cache_dir() / "teacher")
+    return TeacherLocation(key, root, root / key, root / f".{key}.static", num_layers)
+
+
 def load_target_model(target_path: Path, dtype: torch.dtype = torch.float32):
     """The target as a transformers causal LM (eval mode) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -221,34 +247,33 @@ def build_teacher_data(
     *,
     cache_root: Path | None = None,
     progress: bool = True,
+    answers: Path | None = None,
 ) -> TeacherData:
-    """Teacher data for ``prompts`` (from the cache when the same target, data and settings were used)."""
-    from slimspec.embedded import cache_dir
+    """Teacher data for ``prompts`` (from the cache when the same target, data and settings were used).
+
+    ``answers``: a saved-answers file of this cache (``slimspec.distill.answers``); with the static engine the
+    prompts it answers get their features from one batched forward instead of being decoded again."""
+    from slimspec.distill.answers import load_answers
 
     if settings.engine not in ("transformers", "static"):
         raise SlimSpecError(f"generation engine must be 'transformers' or 'static', got {settings.engine!r}")
     target_path = Path(target_path)
-    config = json.loads((target_path / "config.json").read_text())
-    num_layers = int(config.get("num_hidden_layers") or config.get("text_config", {}).get("num_hidden_layers"))
-    if settings.aux_layers is None:
-        settings.aux_layers = default_aux_layers(num_layers)
-    key = cache_key(target_path, prompts, settings)
-    root = Path(cache_root or os.environ.get("SLIMSPEC_TEACHER_CACHE") or cache_dir() / "teacher")
-    folder = root / key
+    where = teacher_location(target_path, prompts, settings, cache_root)
+    key, root, folder, work, num_layers = where.key, where.root, where.folder, where.work, where.num_layers
     if (folder / "manifest.json").exists():
         return load_teacher_data(folder)
     store = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float16 if settings.dtype == "float16" \
         else torch.float32
     root.mkdir(parents=True, exist_ok=True)
-    work = root / f".{key}.static"  # the static engine's finished batches
     journal = root / f".{key}.responses.jsonl"  # the transformers engine's finished answers
     if settings.responses == "regenerate" and settings.engine == "static":
         from slimspec.distill.static_decode import supports
 
+        known = load_answers(answers, key) if answers is not None else {}
         generator_model, tokenizer = load_target_model(target_path, dtype=getattr(torch, settings.generation_dtype))
         if supports(generator_model, settings.max_length + settings.max_new_tokens):
             prefixes = [_chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
-            _static_generate(generator_model, tokenizer, prefixes, settings, work, store, progress)
+            _static_generate(generator_model, tokenizer, prefixes, settings, work, store, progress, known)
             del generator_model
             sequences = _static_sequences(work, len(prefixes))
             return _write_teacher_folder(target_path, root, key, folder, settings, num_layers, sequences,
@@ -352,11 +377,12 @@ def _write_teacher_folder(target_path: Path, root: Path, key: str, folder: Path,
 
 
 def _static_generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSettings, work: Path,
-                     store: torch.dtype, progress: bool) -> None:
+                     store: torch.dtype, progress: bool, known: dict[int, list[int]] | None = None) -> None:
     """Answers and features of every prefix not yet in ``work``, one length-sorted batch per file there.
 
     ``work/batches.jsonl`` lists finished batches (prompt indices, sequence lengths, prompt lengths), so an
-    interrupted build resumes after the last finished batch with everything it computed kept.
+    interrupted build resumes after the last finished batch with everything it computed kept. Prompts with a
+    ``known`` answer (saved answers) get their features from batched forwards first; the rest are decoded.
     """
     from safetensors import safe_open
 
@@ -371,32 +397,65 @@ def _static_generate(model, tokenizer, prefixes: list[list[int]], settings: Teac
                 finished.update(row["rows"])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generator = torch.Generator().manual_seed(settings.seed)
-    order = sorted((i for i in range(len(prefixes)) if i not in finished), key=lambda i: len(prefixes[i]))
-    bar = _bar(len(prefixes), "generating responses + features", progress)
-    bar.update(len(finished))
-    start, tokens = time.perf_counter(), 0
+    known = {i: r for i, r in (known or {}).items() if i not in finished and 0 <= i < len(prefixes)}
+    order = sorted((i for i in range(len(prefixes)) if i not in finished and i not in known),
+                   key=lambda i: len(prefixes[i]))
     batch_no = len(list(work.glob("batch-*.safetensors")))
-    for b in range(0, len(order), settings.generation_batch):
-        idx = order[b:b + settings.generation_batch]
-        results = static_decode(model, [prefixes[i] for i in idx], settings.max_new_tokens,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=pad,
-                                temperature=settings.temperature, generator=generator, capture=settings.aux_layers)
+
+    def write_batch(idx: list[int], responses: list[list[int]], features) -> None:
+        nonlocal batch_no
         ids, aux, final, lengths = [], [], [], []
-        for i, res in zip(idx, results, strict=True):
-            seq = (prefixes[i] + res.response)[: settings.max_length]
+        for i, response, (a, f) in zip(idx, responses, features, strict=True):
+            seq = (prefixes[i] + response)[: settings.max_length]
             ids.append(torch.tensor(seq, dtype=torch.long))
-            aux.append(res.aux[: len(seq)].to(store))
-            final.append(res.final[: len(seq)].to(store))
+            aux.append(a[: len(seq)].to(store))
+            final.append(f[: len(seq)].to(store))
             lengths.append(len(seq))
-            tokens += len(res.response)
         name = f"batch-{batch_no:05d}.safetensors"
         batch_no += 1
         save_file({"input_ids": torch.cat(ids), "aux": torch.cat(aux), "final": torch.cat(final)}, str(work / name))
         with journal.open("a") as f:
             f.write(json.dumps({"file": name, "rows": idx, "lengths": lengths,
                                 "splits": [len(prefixes[i]) for i in idx]}) + "\n")
+
+    if known:
+        _prefill_known(model, prefixes, known, settings, write_batch, progress)
+    bar = _bar(len(prefixes), "generating responses + features", progress)
+    bar.update(len(prefixes) - len(order))
+    start, tokens = time.perf_counter(), 0
+    for b in range(0, len(order), settings.generation_batch):
+        idx = order[b:b + settings.generation_batch]
+        results = static_decode(model, [prefixes[i] for i in idx], settings.max_new_tokens,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=pad,
+                                temperature=settings.temperature, generator=generator, capture=settings.aux_layers)
+        write_batch(idx, [r.response for r in results], [(r.aux, r.final) for r in results])
+        tokens += sum(len(r.response) for r in results)
         bar.update(len(idx))
         bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
+    bar.close()
+
+
+PREFILL_TOKENS = 16384  # padded positions of one batched forward over known answers
+
+
+def _prefill_known(model, prefixes: list[list[int]], known: dict[int, list[int]], settings: TeacherSettings,
+                   write_batch, progress: bool) -> None:
+    """Features of prompt + known answer for every ``known`` prompt: length-sorted groups of up to
+    ``PREFILL_TOKENS`` padded positions, one forward each, handed to ``write_batch`` like decoded batches."""
+    from slimspec.distill.static_decode import static_prefill
+
+    seqs = {i: (prefixes[i] + known[i])[: settings.max_length] for i in known}
+    order = sorted(seqs, key=lambda i: len(seqs[i]))
+    bar = _bar(len(order), "features of saved answers", progress)
+    group: list[int] = []
+    for n, i in enumerate(order):
+        group.append(i)
+        last = n == len(order) - 1
+        if last or (len(group) + 1) * len(seqs[order[n + 1]]) > PREFILL_TOKENS:
+            features = static_prefill(model, [seqs[j] for j in group], tuple(settings.aux_layers))
+            write_batch(group, [known[j] for j in group], features)
+            bar.update(len(group))
+            group = []
     bar.close()
 
 
