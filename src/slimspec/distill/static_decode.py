@@ -62,6 +62,22 @@ class _StaticCache:
         self.v = [torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(layers)]
 
 
+def _grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Attention of queries [B, H, t, D] over cached keys/values [B, KV, T, D] (query head h reads kv head
+    h // (H / KV)) under a boolean ``mask`` [B, 1, t, T], softmax in float32.
+
+    For decode steps: CPU ``scaled_dot_product_attention`` with ``enable_gqa`` and a mask copies the cache to every
+    query head at each step (54 % of a SmolLM2-135M decode step at 256 prompts); grouping the query heads by their
+    kv head reads the cache in place."""
+    b, h, t, d = q.shape
+    kv, length = keys.shape[1], keys.shape[2]
+    groups = h // kv
+    scores = torch.matmul(q.reshape(b, kv, groups * t, d), keys.transpose(-1, -2)).float() * scale
+    scores = scores.view(b, kv, groups, t, length).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(b, kv, groups * t, length)
+    return torch.matmul(probs, values).view(b, h, t, d)
+
+
 def _layer(layer, x: Tensor, cos: Tensor, sin: Tensor, cache: _StaticCache, index: int, start: int,
            mask: Tensor, heads: int, kv_heads: int, head_dim: int) -> Tensor:
     b, t, _ = x.shape
@@ -76,8 +92,12 @@ def _layer(layer, x: Tensor, cos: Tensor, sin: Tensor, cache: _StaticCache, inde
     end = start + t
     cache.k[index][:, :, start:end] = k
     cache.v[index][:, :, start:end] = v
-    out = F.scaled_dot_product_attention(q, cache.k[index][:, :, :end], cache.v[index][:, :, :end],
-                                         attn_mask=mask, scale=attn.scaling, enable_gqa=kv_heads != heads)
+    keys, values = cache.k[index][:, :, :end], cache.v[index][:, :, :end]
+    if t == 1:  # a decode step
+        out = _grouped_attention(q, keys, values, mask, attn.scaling)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
+                                             enable_gqa=kv_heads != heads)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, heads * head_dim))
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
