@@ -303,6 +303,71 @@ def bench_teacher(num_prompts: int = 128, new_tokens: int = 128) -> list[str]:
     ]
 
 
+def bench_teacher_rebuild(num_prompts: int = 128, new_tokens: int = 128, batch: int = 128) -> list[str]:
+    """Static-engine teacher data three ways side by side: decode-step attention through CPU SDPA (enable_gqa, the
+    code before session 23), grouped by kv head (now), and rebuilt from saved answers (batched forwards only)."""
+    import tempfile
+
+    import torch.nn.functional as F
+
+    import slimspec.distill.static_decode as sd
+    from slimspec.distill.answers import answers_of_cache, save_answers
+    from slimspec.distill.prompts import load_prompts
+    from slimspec.distill.teacher import TeacherSettings, build_teacher_data
+    from slimspec.embedded import embedded_target_path
+
+    target = embedded_target_path(progress=False)
+    prompts = load_prompts(None)[:num_prompts]
+    grouped = sd._grouped_attention
+
+    def sdpa(q, k, v, mask, scale):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    rows, data = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, attention, answers in (("decode, SDPA attention", sdpa, None), ("decode, grouped attention",
+                                                                                  grouped, None),
+                                         ("saved answers, batched forwards", grouped, Path(tmp) / "a.jsonl.gz")):
+            settings = TeacherSettings(max_new_tokens=new_tokens, aux_layers=(2, 15, 27), generation_batch=batch,
+                                       engine="static")
+            sd._grouped_attention = attention
+            start = time.perf_counter()
+            teacher = build_teacher_data(target, prompts, settings, cache_root=Path(tmp) / name, progress=False,
+                                         answers=answers)
+            seconds = time.perf_counter() - start
+            sd._grouped_attention = grouped
+            data[name] = teacher
+            rows.append((name, seconds, teacher.num_tokens))
+            if answers is None:
+                save_answers(Path(tmp) / "a.jsonl.gz", teacher.manifest["key"], len(prompts),
+                             answers_of_cache(teacher.folder))
+    base = data[rows[0][0]]
+    lines = []
+    for name, seconds, tokens in rows:
+        other = data[name]
+        same = sum(torch.equal(base.sequence(i)["input_ids"], other.sequence(i)["input_ids"]) for i in range(len(base)))
+        diff = (other.aux.float() - base.aux.float()).abs().mean() / base.aux.float().abs().mean() \
+            if torch.equal(base.input_ids, other.input_ids) else float("nan")
+        lines.append(f"| {name} | {seconds:.0f} | {tokens / seconds:.0f} | {rows[0][1] / seconds:.2f}x | "
+                     f"{same}/{len(base)} | {'-' if other is base else f'{float(diff):.4f}'} |")
+    return [
+        "## Teacher data: decode-step attention, and rebuilding from saved answers",
+        "",
+        f"`build_teacher_data` (static engine, bf16) on the embedded target: the first {num_prompts} shipped "
+        f"calibration prompts, greedy {new_tokens}-token answers, {batch} prompts a batch, features at layers "
+        "(2, 15, 27), fresh cache each. SDPA: `scaled_dot_product_attention(enable_gqa=True)` with the cache mask at",
+        "every decode step (it copies the cache to every query head on the CPU); grouped: query heads grouped by",
+        "their kv head, matmuls over the cache in place (`static_decode._grouped_attention`); saved answers: the",
+        "second run's answers (`reference/answers` format) rebuilt into a cache by `static_prefill`, nothing",
+        "decoded. Same answers: sequences equal to the SDPA run's; aux difference: mean |other - SDPA| / mean |SDPA|.",
+        "",
+        "| teacher data from | seconds | tokens/s (prompt + answer) | speed-up | same answers | aux difference |",
+        "|---|---|---|---|---|---|",
+        *lines,
+        "",
+    ]
+
+
 def _cpu_name() -> str:
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -462,7 +527,7 @@ def bench_train_batch(steps: int = 12) -> list[str]:
 
 SECTIONS = {"factorize": bench_factorize, "kl": bench_kl_section, "head": bench_head,
             "distill": bench_distill_starts, "decode": bench_decode, "plane": bench_plane, "teacher": bench_teacher,
-            "train-step": bench_train_step, "train-batch": bench_train_batch}
+            "teacher-rebuild": bench_teacher_rebuild, "train-step": bench_train_step, "train-batch": bench_train_batch}
 
 
 def main() -> int:

@@ -63,19 +63,19 @@ class _StaticCache:
 
 
 def _grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Attention of queries [B, H, t, D] over cached keys/values [B, KV, T, D] (query head h reads kv head
-    h // (H / KV)) under a boolean ``mask`` [B, 1, t, T], softmax in float32.
+    """One decode step's attention: queries [B, H, 1, D] over cached keys/values [B, KV, T, D] (query head h reads
+    kv head h // (H / KV)) under a boolean ``mask`` [B, 1, 1, T].
 
-    For decode steps: CPU ``scaled_dot_product_attention`` with ``enable_gqa`` and a mask copies the cache to every
-    query head at each step (54 % of a SmolLM2-135M decode step at 256 prompts); grouping the query heads by their
-    kv head reads the cache in place."""
+    CPU ``scaled_dot_product_attention`` with ``enable_gqa`` and a mask copies the cache to every query head at each
+    step (54 % of a SmolLM2-135M decode step at 256 prompts). With one query position, the H / KV query heads of a
+    kv head are H / KV query rows under the same mask: SDPA over the cache in place, its float accumulation kept
+    (scores rounded to bf16 by a plain matmul agreed less often with the float32 target's greedy answers)."""
     b, h, t, d = q.shape
-    kv, length = keys.shape[1], keys.shape[2]
-    groups = h // kv
-    scores = torch.matmul(q.reshape(b, kv, groups * t, d), keys.transpose(-1, -2)).float() * scale
-    scores = scores.view(b, kv, groups, t, length).masked_fill(~mask[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(b, kv, groups * t, length)
-    return torch.matmul(probs, values).view(b, h, t, d)
+    if t != 1:
+        raise ValueError(f"grouped attention is for one query position, got {t}")
+    kv = keys.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(b, kv, h // kv, d), keys, values, attn_mask=mask, scale=scale)
+    return out.view(b, h, 1, d)
 
 
 def _layer(layer, x: Tensor, cos: Tensor, sin: Tensor, cache: _StaticCache, index: int, start: int,
