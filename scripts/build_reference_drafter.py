@@ -342,8 +342,10 @@ def warm_train(mix: str, init: Path, out: Path, options, cfg, target: str, resum
     result = distill_drafter(drafter, teacher, teacher_head_for(drafter, parts), cfg,
                              checkpoint_dir=out.parent / f"{out.name}.checkpoints", resume=resume, keep_every=200)
     draft_ids = drafter.draft_to_target(torch.arange(ckpt.config.draft_vocab_size))
-    extra = {"teacher_parts": [{**p, "settings": settings} for p, settings in
-                               zip(teacher.manifest["parts"], teacher.manifest["settings"], strict=True)],
+    # from each cache itself: a single cache is not joined, so its manifest has no "parts"
+    extra = {"teacher_parts": [{"key": t.manifest.get("key"), "folder": str(t.folder) if t.folder else None,
+                                "num_sequences": len(t), "num_tokens": t.num_tokens,
+                                "settings": t.manifest.get("settings")} for t in teachers],
              "warm_start": {"from": str(init), "from_training": json.loads((init / "training.json").read_text())},
              "parts": only}
     write_eagle_layout(drafter, ckpt.config, draft_ids, out, result, target,
