@@ -358,9 +358,9 @@ def bench_teacher_rebuild(num_prompts: int = 128, new_tokens: int = 128, batch: 
         "(2, 15, 27), fresh cache each. SDPA: `scaled_dot_product_attention(enable_gqa=True)` with the cache mask at",
         "every decode step (it copies the cache to every query head on the CPU); grouped: query heads grouped by",
         "their kv head as query rows of one SDPA call over the cache in place (`static_decode._grouped_attention`;",
-        "bf16 greedy answers drift apart at near-ties: both variants match a float32 decode's equally often, 11 vs 13 of
-24 on 32 tokens); saved answers: the second run's answers (`reference/answers` format) rebuilt into a cache by
-`static_prefill`, nothing",
+        "bf16 greedy answers drift apart at near-ties: both variants match a float32 decode's equally often, 11 vs",
+        "13 of 24 on 32 tokens); saved answers: the second run's answers (`reference/answers` format) rebuilt into a",
+        "cache by `static_prefill`, nothing",
         "decoded. Same answers: sequences equal to the SDPA run's; aux difference: mean |other - SDPA| / mean |SDPA|.",
         "",
         "| teacher data from | seconds | tokens/s (prompt + answer) | speed-up | same answers | aux difference |",
