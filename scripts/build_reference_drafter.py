@@ -181,8 +181,9 @@ def main() -> int:
         for teacher in mix_teachers(args.mix, options, load_target_parts(target), _parts(args)):
             print(json.dumps({"sequences": len(teacher), "tokens": teacher.num_tokens, "cache": str(teacher.folder)}))
     elif args.stage == "teacher":
-        teacher, _ = scratch_teacher(load_target_parts(target), options, progress=True)
-        save_teacher_answers(load_target_parts(target), options)
+        parts = load_target_parts(target)
+        teacher, _ = scratch_teacher(parts, options, progress=True)
+        save_teacher_answers(parts, options)
         print(json.dumps({"sequences": len(teacher), "tokens": teacher.num_tokens, "cache": str(teacher.folder)}))
     elif args.stage == "train":
         cfg = DistillConfig(steps=args.steps, lr=args.lr, warmup_steps=max(10, args.steps // 30),

@@ -77,16 +77,11 @@ def answers_of_cache(folder: Path) -> dict[int, list[int]]:
 
 def answers_in_progress(work: Path) -> dict[int, list[int]]:
     """The responses of the batches an interrupted static-engine build finished (its ``work`` folder)."""
-    from slimspec.distill.teacher import _journal_rows
+    from slimspec.distill.teacher import batch_spans
 
-    out = {}
-    for row in _journal_rows(work / "batches.jsonl"):
-        if not (work / row["file"]).exists():
-            continue
-        with safe_open(str(work / row["file"]), "pt") as h:
-            ids = h.get_tensor("input_ids")
-        at = 0
-        for i, length, split in zip(row["rows"], row["lengths"], row["splits"], strict=True):
-            out[int(i)] = ids[at + split:at + length].tolist()
-            at += length
+    out, handles = {}, {}
+    for i, (name, at, length, split) in batch_spans(work).items():
+        if name not in handles:
+            handles[name] = safe_open(str(work / name), "pt")
+        out[i] = handles[name].get_slice("input_ids")[at + split:at + length].tolist()
     return out

@@ -470,16 +470,25 @@ def _journal_rows(journal: Path) -> list[dict]:
     return rows
 
 
+def batch_spans(work: Path) -> dict[int, tuple[str, int, int, int]]:
+    """Where ``_static_generate`` put each finished prompt: (batch file, first row, sequence length, prompt
+    length), from its journal; batches whose file is missing are left out."""
+    where = {}
+    for row in _journal_rows(work / "batches.jsonl"):
+        if not (work / row["file"]).exists():
+            continue
+        offset = 0
+        for i, length, split in zip(row["rows"], row["lengths"], row["splits"], strict=True):
+            where[int(i)] = (row["file"], offset, length, split)
+            offset += length
+    return where
+
+
 def _static_sequences(work: Path, count: int):
     """(ids, split, aux, final) of each prompt, in prompt order, read back from ``_static_generate``'s files."""
     from safetensors import safe_open
 
-    where: dict[int, tuple[str, int, int, int]] = {}
-    for row in _journal_rows(work / "batches.jsonl"):
-        offset = 0
-        for i, length, split in zip(row["rows"], row["lengths"], row["splits"], strict=True):
-            where[i] = (row["file"], offset, length, split)
-            offset += length
+    where = batch_spans(work)
     handles: dict[str, object] = {}
     for i in range(count):
         name, a, length, split = where[i]
