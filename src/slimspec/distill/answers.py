@@ -30,11 +30,14 @@ def save_answers(path: Path, key: str, count: int, answers: dict[int, list[int]]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with gzip.open(tmp, "wt", encoding="utf-8") as f:
-        f.write(json.dumps({"format": FORMAT, "key": key, "prompts": count}) + "\n")
-        for i in sorted(answers):
-            f.write(json.dumps({"i": i, "response": answers[i]}, separators=(",", ":")) + "\n")
-    os.replace(tmp, path)
+    try:
+        with gzip.open(tmp, "wt", encoding="utf-8") as f:
+            f.write(json.dumps({"format": FORMAT, "key": key, "prompts": count}) + "\n")
+            for i in sorted(answers):
+                f.write(json.dumps({"i": i, "response": answers[i]}, separators=(",", ":")) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a write cut short leaves no half-written file behind
     return len(answers)
 
 
