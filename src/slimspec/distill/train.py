@@ -446,7 +446,7 @@ def distill_drafter(
         rate = tokens_seen / max(time.perf_counter() - started, 1e-9)
         history.append({"step": step + 1, "loss": loss_value, "kl0": kl0, "grad_norm": grad_norm,
                         "lr": optimizer.param_groups[0]["lr"],
-                        "seconds": round(prior_seconds + time.perf_counter() - started, 2)})
+                        "seconds": prior_seconds + time.perf_counter() - started})
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.4f}", kl=f"{kl0:.4f}", tok_s=f"{rate:.0f}")
         if checkpoint_dir is not None and cfg.save_every and (step + 1) % cfg.save_every == 0 and rank == 0:
