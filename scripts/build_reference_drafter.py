@@ -155,6 +155,8 @@ def main() -> int:
                         help="train: seed of the batch draws (a continuation run: another seed, other batches)")
     parser.add_argument("--bf16", action="store_true",
                         help="train: mixed precision (bf16 autocast + bf16 KL matmuls; see slimspec distill --bf16)")
+    parser.add_argument("--teacher-temperature", type=float, default=1.0,
+                        help="train: distil against softmax(target logits / T) (T < 1 sharpens toward the argmax)")
     parser.add_argument("--every-nth", type=int, default=1,
                         help="train: every n-th teacher sequence only (data-scaling point: 1/n of the data)")
     parser.add_argument("--init", type=Path, default=None,
@@ -188,7 +190,8 @@ def main() -> int:
     elif args.stage == "train":
         cfg = DistillConfig(steps=args.steps, lr=args.lr, warmup_steps=max(10, args.steps // 30),
                             batch_tokens=args.batch_tokens, ttt_steps=3, save_every=50, eval_every_nth=50,
-                            train_backbone=True, seed=args.seed, bf16=args.bf16)
+                            train_backbone=True, seed=args.seed, bf16=args.bf16,
+                            teacher_temperature=args.teacher_temperature)
         if args.mix in MIX_PARTS:
             out, result = warm_train(args.mix, args.init or WORK / f"smollm2-135m-eagle3-{base}", args.out, options,
                                      cfg, target, args.resume, _parts(args))
@@ -580,8 +583,11 @@ def build_commands(mix: str, cfg: dict, training: dict, out: str | Path | None =
 
 
 def _bf16(cfg: dict) -> str:
-    """The flag a mixed-precision run was started with (older records have no such field)."""
-    return " --bf16" if cfg.get("bf16") else ""
+    """The flags of a run's training options beyond steps/lr/seed (older records lack these fields)."""
+    flags = " --bf16" if cfg.get("bf16") else ""
+    if cfg.get("teacher_temperature", 1.0) != 1.0:
+        flags += f" --teacher-temperature {cfg['teacher_temperature']:g}"
+    return flags
 
 
 if __name__ == "__main__":

@@ -68,6 +68,9 @@ def data_options(func):
                           "(full-vocabulary KL; learns beyond the source drafter, needs data). drafter: the source "
                           "drafter's own full-rank head on the same states (recovers the original's acceptance "
                           "from little data; every position counts)."),
+        click.option("--teacher-temperature", type=float, default=1.0, show_default=True,
+                     help="Distil against softmax(teacher logits / T): below 1 sharpens the teacher toward its "
+                          "argmax (the token greedy verification accepts); the reported held-out KL stays at T=1."),
         click.option("--ttt-steps", type=int, default=3, show_default=True, help="Training-time-test unroll."),
         click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak AdamW learning rate."),
         click.option("--batch-tokens", type=int, default=2048, show_default=True, help="Drafter positions per step."),
@@ -96,7 +99,7 @@ def _data_and_config(kw: dict, steps: int):
                           engine=kw.pop("generation_engine"))
     cfg = DistillConfig(steps=steps, ttt_steps=kw.pop("ttt_steps"), lr=kw.pop("lr"),
                         batch_tokens=kw.pop("batch_tokens"), seed=kw.pop("seed"), teacher=kw.pop("teacher"),
-                        bf16=kw.pop("bf16"))
+                        bf16=kw.pop("bf16"), teacher_temperature=kw.pop("teacher_temperature"))
     return options, cfg
 
 

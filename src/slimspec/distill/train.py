@@ -54,6 +54,7 @@ class DistillConfig:
     eval_every_nth: int = 10  # every n-th teacher sequence is held out for the KL before/after
     teacher: str = "target"  # "target": the target's distribution; "drafter": the source drafter's own head
     bf16: bool = False  # mixed precision: backbone under bf16 autocast, KL matmuls in bf16 (sums, softmax in fp32)
+    teacher_temperature: float = 1.0  # training KL against softmax(teacher logits / T); held-out KL stays at T = 1
 
 
 @dataclass
@@ -271,13 +272,16 @@ def teacher_hidden(hidden: torch.Tensor, teacher_index: torch.Tensor, teacher: T
 def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.Tensor, weight: torch.Tensor,
              teacher: TeacherData, teacher_head: torch.Tensor, decay: float, global_weight: torch.Tensor | None = None,
              kind: str = "target", source: torch.Tensor | None = None,
-             matmul_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, list[float]]:
+             matmul_dtype: torch.dtype | None = None,
+             teacher_temperature: float = 1.0) -> tuple[torch.Tensor, list[float]]:
     """Loss = sum_i decay^i * KL_i (KL_i the weighted mean over tokens) and the per-step KLs.
 
     ``global_weight`` [k] (the weight sums over all ranks) makes the per-rank losses add up to the global one.
     ``kind``: ``target`` (``teacher_head`` [V, Ht] on the target's states) or ``drafter`` (``teacher_head``
     [V, d + 1], the source head with a bias column, on the student's own states: see ``self_teacher_head``).
     ``matmul_dtype``: see :func:`full_vocab_kl` (bf16 training).
+    ``teacher_temperature``: the teacher is softmax(logits / T) (T < 1 sharpens it toward its argmax, the token a
+    greedy verifier accepts); scaling the teacher's rows by 1/T scales its logits exactly (a bias column too).
     """
     down, up = head_factors(drafter)
     total = hidden.new_zeros(())
@@ -295,6 +299,8 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
             continue
         keep = w > 0  # zero-weight rows (prompt positions) add nothing: skip their head and teacher matmuls
         th = teacher_hidden(hidden[keep, i], teacher_index[keep, i], teacher, kind, source)
+        if teacher_temperature != 1.0:
+            th = th / teacher_temperature
         kl = full_vocab_kl(hidden[keep, i], down, up, th, teacher_head, weights=w[keep], matmul_dtype=matmul_dtype)
         share = kl * (local / denominator)
         per_step.append(float(share.detach()))
@@ -377,6 +383,8 @@ def distill_drafter(
     kind = cfg.teacher
     if kind not in TEACHERS:
         raise SlimSpecError(f"teacher must be one of {', '.join(TEACHERS)}, got {kind!r}")
+    if not cfg.teacher_temperature > 0:
+        raise SlimSpecError(f"teacher temperature must be > 0, got {cfg.teacher_temperature:g}")
     train_idx, eval_idx = split_sequences(teacher, cfg.eval_every_nth)
     drafter.requires_grad_(False)
     # The drafter teacher with a training backbone scores the source backbone's states, computed once here.
@@ -429,7 +437,8 @@ def distill_drafter(
         optimizer.zero_grad(set_to_none=True)
         loss, per_step = kl_terms(drafter, hidden, teacher_index, weight, teacher, teacher_head, cfg.decay,
                                   global_weight, kind=kind, source=source,
-                                  matmul_dtype=torch.bfloat16 if cfg.bf16 else None)
+                                  matmul_dtype=torch.bfloat16 if cfg.bf16 else None,
+                                  teacher_temperature=cfg.teacher_temperature)
         loss.backward()
         for p in params:
             if p.grad is not None:
