@@ -557,7 +557,7 @@ def build_commands(mix: str, cfg: dict, training: dict, out: str | Path | None =
     flag = f" --mix {mix}" if mix != "v1" else ""
     if mix not in MIX_PARTS:
         return (f"{run} --stage teacher{flag}\n{run} --stage train{flag} \\\n    --steps {cfg['steps']} "
-                f"--batch-tokens {cfg['batch_tokens']} --lr {cfg['lr']}{_bf16(cfg)}\n{run} --stage eval\n"
+                f"--batch-tokens {cfg['batch_tokens']} --lr {cfg['lr']}{_train_flags(cfg)}\n{run} --stage eval\n"
                 f"{run} --stage publish{flag}")
     base = MIX_PARTS[mix][0]
     chain = warm_chain(training)
@@ -567,7 +567,7 @@ def build_commands(mix: str, cfg: dict, training: dict, out: str | Path | None =
     outs = [*inits[1:], _shown(out or f"out/reference/smollm2-135m-eagle3-{mix}")]
     lines = [f"{run} --stage teacher --mix {base}",
              f"{run} --stage train --mix {base} --out {inits[0]} \\\n    --steps {first['steps']} "
-             f"--batch-tokens {first['batch_tokens']} --lr {first['lr']}{_bf16(first)}"]
+             f"--batch-tokens {first['batch_tokens']} --lr {first['lr']}{_train_flags(first)}"]
     built: set[str] = set()  # the --parts a teacher line has already named ("*": all of them)
     for t, init, folder in zip(warm_runs, inits, outs, strict=True):
         c = t["distill"]["config"]
@@ -577,12 +577,12 @@ def build_commands(mix: str, cfg: dict, training: dict, out: str | Path | None =
             lines.append(f"{run} --stage teacher --mix {mix}{parts}")
             built |= set(t["parts"]) if parts else {"*"}
         lines.append(f"{run} --stage train --mix {mix} --init {init} --out {folder}{parts} \\\n    "
-                     f"--steps {c['steps']} --batch-tokens {c['batch_tokens']} --lr {c['lr']}{seed}{_bf16(c)}")
+                     f"--steps {c['steps']} --batch-tokens {c['batch_tokens']} --lr {c['lr']}{seed}{_train_flags(c)}")
     lines += [f"{run} --stage eval --out {outs[-1]}", f"{run} --stage publish --mix {mix} --out {outs[-1]}"]
     return "\n".join(lines)
 
 
-def _bf16(cfg: dict) -> str:
+def _train_flags(cfg: dict) -> str:
     """The flags of a run's training options beyond steps/lr/seed (older records lack these fields)."""
     flags = " --bf16" if cfg.get("bf16") else ""
     if cfg.get("teacher_temperature", 1.0) != 1.0:

@@ -124,6 +124,14 @@ def test_learning_rates_must_be_positive(tmp_path, pair):
     _assert_clean_failure(result, tmp_path, "--backbone-lr must be > 0")
 
 
+@pytest.mark.parametrize("temperature", ["0", "-0.5", "nan"])
+def test_teacher_temperature_must_be_positive(tmp_path, pair, temperature):
+    """Catches a zero, negative or NaN --teacher-temperature reaching the loss (inf/NaN teacher logits after the
+    teacher data was built)."""
+    _assert_clean_failure(_run([pair[0], "--target", pair[1], "--distill-steps", "2", "--teacher-temperature",
+                                temperature], tmp_path), tmp_path, "--teacher-temperature must be > 0")
+
+
 def test_existing_out(tmp_path, pair):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")

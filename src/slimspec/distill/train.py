@@ -56,6 +56,11 @@ class DistillConfig:
     bf16: bool = False  # mixed precision: backbone under bf16 autocast, KL matmuls in bf16 (sums, softmax in fp32)
     teacher_temperature: float = 1.0  # training KL against softmax(teacher logits / T); held-out KL stays at T = 1
 
+    def __post_init__(self) -> None:
+        # checked here, where every caller builds its config, not after the teacher data is built
+        if not self.teacher_temperature > 0:
+            raise SlimSpecError(f"--teacher-temperature must be > 0, got {self.teacher_temperature:g}")
+
 
 @dataclass
 class StudentFeatures:
@@ -383,8 +388,6 @@ def distill_drafter(
     kind = cfg.teacher
     if kind not in TEACHERS:
         raise SlimSpecError(f"teacher must be one of {', '.join(TEACHERS)}, got {kind!r}")
-    if not cfg.teacher_temperature > 0:
-        raise SlimSpecError(f"teacher temperature must be > 0, got {cfg.teacher_temperature:g}")
     train_idx, eval_idx = split_sequences(teacher, cfg.eval_every_nth)
     drafter.requires_grad_(False)
     # The drafter teacher with a training backbone scores the source backbone's states, computed once here.
