@@ -90,8 +90,6 @@ def _data_and_config(kw: dict, steps: int):
     from slimspec.distill.pipeline import DataOptions
     from slimspec.distill.train import DistillConfig
 
-    if kw["lr"] <= 0:
-        raise SlimSpecError(f"--lr must be > 0, got {kw['lr']:g}")
     aux = [int(x) for x in kw.pop("aux_layers").split(",")] if kw.get("aux_layers") else None
     options = DataOptions(data=list(kw.pop("data")) or None, num_prompts=kw.pop("num_prompts"),
                           responses=kw.pop("responses"), max_new_tokens=kw.pop("max_new_tokens"),

@@ -58,6 +58,8 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         # checked here, where every caller builds its config, not after the teacher data is built
+        if not self.lr > 0:
+            raise SlimSpecError(f"--lr must be > 0, got {self.lr:g}")
         if not self.teacher_temperature > 0:
             raise SlimSpecError(f"--teacher-temperature must be > 0, got {self.teacher_temperature:g}")
 
