@@ -199,6 +199,8 @@ def main() -> int:
             out, result = train_from_scratch(target, args.out, draft_vocab=args.draft_vocab, rank=args.rank,
                                              data_options=options, config=cfg, overwrite=True, resume=args.resume,
                                              every_nth_sequence=args.every_nth)
+            record = out / "training.json"  # the mix, for the commands of the cards of builds that continue it
+            record.write_text(json.dumps({**json.loads(record.read_text()), "mix": args.mix}, indent=2) + "\n")
         print(json.dumps({"out": str(out), **result.summary()}))
     elif args.stage == "gate":
         report = gate(args.out, target)
@@ -351,7 +353,7 @@ def warm_train(mix: str, init: Path, out: Path, options, cfg, target: str, resum
                                 "num_sequences": len(t), "num_tokens": t.num_tokens,
                                 "settings": t.manifest.get("settings")} for t in teachers],
              "warm_start": {"from": str(init), "from_training": json.loads((init / "training.json").read_text())},
-             "parts": only}
+             "parts": only, "mix": mix}
     write_eagle_layout(drafter, ckpt.config, draft_ids, out, result, target,
                        SimpleNamespace(**teachers[0].manifest["settings"]), overwrite=True, training_extra=extra)
     return out, result
@@ -559,11 +561,13 @@ def build_commands(mix: str, cfg: dict, training: dict, out: str | Path | None =
         return (f"{run} --stage teacher{flag}\n{run} --stage train{flag} \\\n    --steps {cfg['steps']} "
                 f"--batch-tokens {cfg['batch_tokens']} --lr {cfg['lr']}{_train_flags(cfg)}\n{run} --stage eval\n"
                 f"{run} --stage publish{flag}")
-    base = MIX_PARTS[mix][0]
     chain = warm_chain(training)
+    base = chain[-1].get("mix", MIX_PARTS[mix][0])  # the from-scratch build's own mix (v2 for the shipped chain)
     first = chain[-1]["distill"]["config"]
     warm_runs = [*reversed(chain[:-1]), training]  # oldest first
-    inits = [_shown(t["warm_start"]["from"]) for t in warm_runs]
+    # a chain that began from the then-packaged drafter rebuilds that drafter in out/, not over the package
+    inits = [f"{_shown(WORK)}/smollm2-135m-eagle3-{base}" if ROOT / t["warm_start"]["from"] == PACKAGED
+             else _shown(t["warm_start"]["from"]) for t in warm_runs]
     outs = [*inits[1:], _shown(out or f"out/reference/smollm2-135m-eagle3-{mix}")]
     lines = [f"{run} --stage teacher --mix {base}",
              f"{run} --stage train --mix {base} --out {inits[0]} \\\n    --steps {first['steps']} "

@@ -192,3 +192,19 @@ def test_parts_choose_caches_and_the_card_names_them(monkeypatch):
     assert any("--out out/reference/smollm2-135m-eagle3-v5 --parts rest,sampled-a \\" in line for line in lines)
     card = " ".join(build.model_card(run, _EVALUATION, 8192, "v4", out).split())
     assert "This run trained on rest, sampled-a, in order" in card
+
+
+def test_commands_rebuild_a_chain_begun_from_the_packaged_drafter():
+    """Catches a card whose first commands name the parted mix's base (v3) for a chain that began from the shipped
+    v2 build, and that rebuild that first drafter over the package: the from-scratch run's recorded mix and an
+    out/ folder must be named instead, and the next run must continue that folder."""
+    build = _script()
+    v2 = {**_record(build, 1400, 0.003, 600), "mix": "v2"}
+    w1 = _record(build, 1500, 0.002, 600, seed=1, parts=["sampled-a"], bf16=True)
+    w1["warm_start"] = {"from": "src/slimspec/data/smollm2-135m-eagle3", "from_training": v2}
+    out = build.ROOT / "out" / "reference" / "smollm2-135m-eagle3-w1"
+    lines = build.build_commands("v4", w1["distill"]["config"], w1, out).splitlines()
+    assert lines[0] == "python scripts/build_reference_drafter.py --stage teacher --mix v2"
+    assert lines[1].endswith("--stage train --mix v2 --out out/reference/smollm2-135m-eagle3-v2 \\")
+    assert "--init out/reference/smollm2-135m-eagle3-v2 --out out/reference/smollm2-135m-eagle3-w1" in " ".join(lines)
+    assert "src/slimspec" not in "\n".join(lines)
