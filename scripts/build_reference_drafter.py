@@ -198,9 +198,8 @@ def main() -> int:
         else:
             out, result = train_from_scratch(target, args.out, draft_vocab=args.draft_vocab, rank=args.rank,
                                              data_options=options, config=cfg, overwrite=True, resume=args.resume,
-                                             every_nth_sequence=args.every_nth)
-            record = out / "training.json"  # the mix, for the commands of the cards of builds that continue it
-            record.write_text(json.dumps({**json.loads(record.read_text()), "mix": args.mix}, indent=2) + "\n")
+                                             every_nth_sequence=args.every_nth,
+                                             training_extra={"mix": args.mix})  # for the cards of its continuations
         print(json.dumps({"out": str(out), **result.summary()}))
     elif args.stage == "gate":
         report = gate(args.out, target)

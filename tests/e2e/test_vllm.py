@@ -155,8 +155,9 @@ def test_embedded_drafter_meets_the_tau_floor(target):
     assert (s["dataset"], s["num_prompts"], s["draft_tokens"], s["temperature"], s["max_new_tokens"]) == (
         "mt_bench", 80, 4, 0.0, 128), s
     assert recorded["tau"] >= 1.8 and recorded["reference"]["tau"] >= 1.8, recorded["tau"]
-    live = evaluate_vllm(folder, target, prompts=eval_prompts("mt_bench", 80), max_new_tokens=128, draft_tokens=4,
-                         temperature=0.0)
+    live = evaluate_vllm(folder, target, prompts=eval_prompts(s["dataset"], s["num_prompts"]),
+                         max_new_tokens=s["max_new_tokens"], draft_tokens=s["draft_tokens"],
+                         temperature=s["temperature"])
     print(f"\n[vllm] embedded drafter, 80 first turns: tau {live['tau']:.4f} (recorded {recorded['tau']:.4f})")
     # float32 engine, greedy: the same machine reproduces it to the last digit; another CPU's summation order may
     # flip a few near-tied argmaxes

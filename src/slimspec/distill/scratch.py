@@ -90,11 +90,12 @@ def train_from_scratch(
     resume: bool = False,
     progress: bool = True,
     every_nth_sequence: int = 1,
+    training_extra: dict | None = None,
 ) -> tuple[Path, DistillResult]:
     """Train an EAGLE-3 drafter for ``target`` and write it in the EAGLE layout (``pytorch_model.bin``).
 
     ``every_nth_sequence`` > 1 trains on every n-th teacher sequence only (data-scaling curves: same prompt mix,
-    1/n of the data).
+    1/n of the data). ``training_extra``: more top-level fields of ``training.json`` (e.g. the build's prompt mix).
     """
     out = Path(out)
     check_output_free(out, overwrite)
@@ -118,7 +119,7 @@ def train_from_scratch(
     teacher_head = parts.head[draft_ids] if draft_vocab != parts.head.shape[0] else parts.head
     result = distill_drafter(drafter, teacher, teacher_head, cfg, checkpoint_dir=out.parent / f"{out.name}.checkpoints",
                              resume=resume, progress=progress)
-    write_eagle_layout(drafter, dcfg, draft_ids, out, result, target, settings, overwrite)
+    write_eagle_layout(drafter, dcfg, draft_ids, out, result, target, settings, overwrite, training_extra)
     return out, result
 
 
