@@ -1,0 +1,85 @@
+"""How much tau does a conversion keep under variants of the demo's distillation? (issue 5, d/8 rho_tau)
+
+Converts the shipped reference drafter (or ``--source``) with the demo's brief recipe (draft vocabulary, drafter
+teacher, whitened start), changed by each variant, and measures tau in vLLM at tests/e2e/test_vllm.py's settings
+(8 mt_bench first turns x 64 tokens, 3 draft tokens, float32; ``scripts/rank_sweep.py``'s ``VllmTau``). A variant is
+a JSON object: ``name`` (required), ``rank`` (default d/8), ``teacher`` (default drafter), ``subset`` ([teacher cache
+key, N]: train on the first N sequences of that cache under ~/.cache/slimspec/teacher instead of the 300
+calibration prompts, e.g. the reference drafter's own ``v3`` training answers, which
+``scripts/build_reference_drafter.py --stage teacher --mix v4 --parts v3`` rebuilds), and any ``DistillConfig``
+field (steps, lr, bf16, teacher_temperature, train_backbone, backbone_lr, ...).
+
+    python scripts/distill_variants.py --original '[{"name": "brief"},
+        {"name": "v3-1500", "subset": ["1e7de22dbc1c2b3f6d12", 1500], "steps": 600}]'
+
+Appends one JSON row per variant (and the original's tau with ``--original``) to ``--out``; the converted folders
+stay under ``--work``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("variants", help="JSON list of variants (see the module docstring)")
+    parser.add_argument("--source", default="embedded:smollm2-135m-eagle3")
+    parser.add_argument("--original", action="store_true", help="measure the source's own tau first")
+    parser.add_argument("--out", type=Path, default=Path("out/distill_variants.jsonl"))
+    parser.add_argument("--work", type=Path, default=Path("out/distill_variants"))
+    args = parser.parse_args(argv)
+
+    from rank_sweep import TARGET, VllmTau
+
+    import slimspec.distill.pipeline as pipeline
+    from slimspec.convert.pipeline import convert
+    from slimspec.distill.teacher import load_teacher_data
+    from slimspec.hub import resolve_model
+
+    source = str(resolve_model(args.source, "drafter").resolve())  # vLLM runs from another folder
+    measure = VllmTau()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        with args.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    original = measure(source) if args.original else None
+    if original:
+        record({"name": "original", "source": args.source, **original})
+    brief_teacher = pipeline.teacher_for
+    for variant in json.loads(args.variants):
+        v = dict(variant)
+        name, rank, teacher = v.pop("name"), v.pop("rank", "d/8"), v.pop("teacher", "drafter")
+        subset = v.pop("subset", None)
+        options, cfg = pipeline.brief_distillation(None, teacher)
+        cfg = dataclasses.replace(cfg, **v)
+        pipeline.teacher_for = brief_teacher
+        if subset:
+            data = load_teacher_data(Path.home() / ".cache" / "slimspec" / "teacher" / subset[0])
+            pipeline.teacher_for = lambda *a, data=data, n=int(subset[1]), **k: data.subset(list(range(n)))
+        started = time.perf_counter()
+        out = args.work / name
+        report = convert(source, TARGET, rank, vocab="draft", out=out, overwrite=True, progress=False,
+                         distill_steps=cfg.steps, data_options=options, distill_config=cfg).report
+        row = measure(str(out.resolve()))
+        distilled = report["distill"]
+        row.update(name=name, rank=rank, teacher=teacher, variant=variant, seconds=round(time.perf_counter() - started),
+                   teacher_tokens=report["teacher"]["tokens"], held_out_kl=distilled["kl_after_per_step"])
+        if original:
+            row["rho"] = row["tau"] / original["tau"]
+        record(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
