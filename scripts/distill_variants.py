@@ -4,7 +4,7 @@ Converts the shipped reference drafter (or ``--source``) with the demo's brief r
 teacher, whitened start), changed by each variant, and measures tau in vLLM at tests/e2e/test_vllm.py's settings
 (8 mt_bench first turns x 64 tokens, 3 draft tokens, float32; ``scripts/rank_sweep.py``'s ``VllmTau``). A variant is
 a JSON object: ``name`` (required), ``rank`` (default d/8), ``teacher`` (default drafter), ``subset`` ([teacher cache
-key, N]: train on the first N sequences of that cache under ~/.cache/slimspec/teacher instead of the 300
+key, N]: train on the first N sequences of that teacher cache (``teacher_cache_root()``) instead of the 300
 calibration prompts, e.g. the reference drafter's own ``v3`` training answers, which
 ``scripts/build_reference_drafter.py --stage teacher --mix v4 --parts v3`` rebuilds), and any ``DistillConfig``
 field (steps, lr, bf16, teacher_temperature, train_backbone, backbone_lr, ...).
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import slimspec.distill.pipeline as pipeline
     from slimspec.convert.pipeline import convert
-    from slimspec.distill.teacher import load_teacher_data
+    from slimspec.distill.teacher import load_teacher_data, teacher_cache_root
     from slimspec.hub import resolve_model
 
     source = str(resolve_model(args.source, "drafter").resolve())  # vLLM runs from another folder
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, **v)
         pipeline.teacher_for = brief_teacher
         if subset:
-            data = load_teacher_data(Path.home() / ".cache" / "slimspec" / "teacher" / subset[0])
+            data = load_teacher_data(teacher_cache_root() / subset[0])
             pipeline.teacher_for = lambda *a, data=data, n=int(subset[1]), **k: data.subset(list(range(n)))
         started = time.perf_counter()
         out = args.work / name

@@ -142,18 +142,23 @@ class TeacherLocation:
     num_layers: int
 
 
+def teacher_cache_root() -> Path:
+    """Where teacher caches live: ``$SLIMSPEC_TEACHER_CACHE`` if set, else ``teacher/`` in the slimspec cache."""
+    from slimspec.embedded import cache_dir
+
+    return Path(os.environ.get("SLIMSPEC_TEACHER_CACHE") or cache_dir() / "teacher")
+
+
 def teacher_location(target_path: Path, prompts: list[Prompt], settings: TeacherSettings,
                      cache_root: Path | None = None) -> TeacherLocation:
     """The cache key and folders of this teacher data (``settings.aux_layers`` gets the default when unset)."""
-    from slimspec.embedded import cache_dir
-
     target_path = Path(target_path)
     config = json.loads((target_path / "config.json").read_text())
     num_layers = int(config.get("num_hidden_layers") or config.get("text_config", {}).get("num_hidden_layers"))
     if settings.aux_layers is None:
         settings.aux_layers = default_aux_layers(num_layers)
     key = cache_key(target_path, prompts, settings)
-    root = Path(cache_root or os.environ.get("SLIMSPEC_TEACHER_CACHE") or cache_dir() / "teacher")
+    root = Path(cache_root) if cache_root else teacher_cache_root()
     return TeacherLocation(key, root, root / key, root / f".{key}.static", num_layers)
 
 
