@@ -7,7 +7,10 @@ a JSON object: ``name`` (required), ``rank`` (default d/8), ``teacher`` (default
 key, N]: train on the first N sequences of that teacher cache (``teacher_cache_root()``) instead of the 300
 calibration prompts, e.g. the reference drafter's own ``v3`` training answers, which
 ``scripts/build_reference_drafter.py --stage teacher --mix v4 --parts v3`` rebuilds), and any ``DistillConfig``
-field (steps, lr, bf16, teacher_temperature, train_backbone, backbone_lr, ...).
+field (steps, lr, bf16, teacher_temperature, train_backbone, backbone_lr, ...). Two experiment switches exist only
+here (both measured worse than the demo's recipe, BENCHMARKS.md): ``"loss": "reverse"`` trains on KL(student ||
+teacher) (mode-seeking; a materialised loss, ~3x slower) instead of the fused forward KL, and ``"answers_only":
+true`` drops the prompt positions the drafter teacher otherwise also learns from.
 
     python scripts/distill_variants.py --original '[{"name": "brief"},
         {"name": "v3-1500", "subset": ["1e7de22dbc1c2b3f6d12", 1500], "steps": 600}]'
@@ -40,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from rank_sweep import TARGET, VllmTau
 
     import slimspec.distill.pipeline as pipeline
+    import slimspec.distill.train as train
     from slimspec.convert.pipeline import convert
     from slimspec.distill.teacher import load_teacher_data, teacher_cache_root
     from slimspec.hub import resolve_model
@@ -57,10 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     if original:
         record({"name": "original", "source": args.source, **original})
     brief_teacher = pipeline.teacher_for
+    fused_kl, features = train.full_vocab_kl, train.student_features
     for variant in json.loads(args.variants):
         v = dict(variant)
         name, rank, teacher = v.pop("name"), v.pop("rank", "d/8"), v.pop("teacher", "drafter")
         subset = v.pop("subset", None)
+        loss, answers_only = v.pop("loss", "forward"), bool(v.pop("answers_only", False))
+        if loss not in ("forward", "reverse"):
+            raise SystemExit(f"{name}: loss must be 'forward' or 'reverse', got {loss!r}")
+        train.full_vocab_kl = reverse_kl_when_training(fused_kl) if loss == "reverse" else fused_kl
+        train.student_features = ((lambda *a, all_positions=False, **k: features(*a, **k)) if answers_only
+                                  else features)
         options, cfg = pipeline.brief_distillation(None, teacher)
         cfg = dataclasses.replace(cfg, **v)
         pipeline.teacher_for = brief_teacher
@@ -79,6 +90,24 @@ def main(argv: list[str] | None = None) -> int:
             row["rho"] = row["tau"] / original["tau"]
         record(row)
     return 0
+
+
+def reverse_kl_when_training(fused_kl):
+    """``full_vocab_kl``'s signature, but the training loss is the weighted mean of KL(q || p) (materialised
+    logits, plain autograd); without gradients (the held-out KL) it stays the forward KL, so rows compare."""
+    import torch
+
+    def loss(student_hidden, w_down, w_up, teacher_hidden, teacher_head, *, weights=None, **kwargs):
+        if not torch.is_grad_enabled():
+            return fused_kl(student_hidden, w_down, w_up, teacher_hidden, teacher_head, weights=weights, **kwargs)
+        with torch.no_grad():
+            log_p = torch.log_softmax(teacher_hidden.float() @ teacher_head.float().T, -1)
+        log_q = torch.log_softmax(student_hidden.float() @ w_down.float().T @ w_up.float().T, -1)
+        kl = (log_q.exp() * (log_q - log_p.clamp(min=-1e4))).sum(-1)
+        w = weights.float() if weights is not None else torch.ones_like(kl)
+        return (w * kl).sum() / w.sum()
+
+    return loss
 
 
 if __name__ == "__main__":
