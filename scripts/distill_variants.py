@@ -10,7 +10,8 @@ calibration prompts, e.g. the reference drafter's own ``v3`` training answers, w
 field (steps, lr, bf16, teacher_temperature, train_backbone, backbone_lr, ...). Two experiment switches exist only
 here (both measured worse than the demo's recipe, BENCHMARKS.md): ``"loss": "reverse"`` trains on KL(student ||
 teacher) (mode-seeking; a materialised loss, ~3x slower) instead of the fused forward KL, and ``"answers_only":
-true`` drops the prompt positions the drafter teacher otherwise also learns from.
+true`` drops the prompt positions the drafter teacher otherwise also learns from, and ``"target_ce": a`` adds
+``a`` x cross-entropy on the target's actual next token (answer rows whose token is in the draft vocabulary).
 
     python scripts/distill_variants.py --original '[{"name": "brief"},
         {"name": "v3-1500", "subset": ["1e7de22dbc1c2b3f6d12", 1500], "steps": 600}]'
@@ -61,12 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     if original:
         record({"name": "original", "source": args.source, **original})
     brief_teacher = pipeline.teacher_for
-    fused_kl, features = train.full_vocab_kl, train.student_features
+    fused_kl, features, kl_terms = train.full_vocab_kl, train.student_features, train.kl_terms
     for variant in json.loads(args.variants):
         v = dict(variant)
         name, rank, teacher = v.pop("name"), v.pop("rank", "d/8"), v.pop("teacher", "drafter")
         subset = v.pop("subset", None)
         loss, answers_only = v.pop("loss", "forward"), bool(v.pop("answers_only", False))
+        target_ce = float(v.pop("target_ce", 0.0))
+        train.kl_terms = with_target_ce(kl_terms, target_ce) if target_ce else kl_terms
         if loss not in ("forward", "reverse"):
             raise SystemExit(f"{name}: loss must be 'forward' or 'reverse', got {loss!r}")
         train.full_vocab_kl = reverse_kl_when_training(fused_kl) if loss == "reverse" else fused_kl
@@ -108,6 +111,42 @@ def reverse_kl_when_training(fused_kl):
         return (w * kl).sum() / w.sum()
 
     return loss
+
+
+def with_target_ce(kl_terms, alpha: float):
+    """``train.kl_terms`` plus, while training, ``alpha * decay**i`` x the cross-entropy of TTT step i's logits
+    on the token the target actually wrote next (answer tokens of the draft vocabulary, within the sequence)."""
+    import torch
+
+    import slimspec.distill.train as train
+
+    cache: dict = {}
+
+    def terms(drafter, hidden, teacher_index, weight, teacher, teacher_head, decay, global_weight=None, **kwargs):
+        total, per_step = kl_terms(drafter, hidden, teacher_index, weight, teacher, teacher_head, decay,
+                                   global_weight, **kwargs)
+        if not torch.is_grad_enabled():
+            return total, per_step
+        n = teacher.num_tokens
+        if not cache:
+            rows = drafter.lm_head.weight_up.shape[0]
+            targets = drafter.draft_to_target(torch.arange(rows))
+            to_draft = torch.full((int(max(teacher.input_ids.max(), targets.max())) + 1,), -1, dtype=torch.long)
+            to_draft[targets] = torch.arange(rows)
+            cache.update(to_draft=to_draft,
+                         seq=torch.searchsorted(teacher.starts, torch.arange(n), right=True) - 1)
+        down, up = train.head_factors(drafter)
+        for i in range(hidden.shape[1]):
+            here = teacher_index[:, i]
+            nxt = (here + 1).clamp(max=n - 1)
+            label = cache["to_draft"][teacher.input_ids[nxt]]
+            ok = (label >= 0) & teacher.loss_mask[nxt] & (cache["seq"][nxt] == cache["seq"][here]) & (here + 1 < n)
+            if bool(ok.any()):
+                logits = hidden[ok, i].float() @ down.float().T @ up.float().T
+                total = total + alpha * decay**i * torch.nn.functional.cross_entropy(logits, label[ok])
+        return total, per_step
+
+    return terms
 
 
 if __name__ == "__main__":
