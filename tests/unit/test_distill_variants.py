@@ -1,0 +1,66 @@
+"""The experiment losses of scripts/distill_variants.py (BENCHMARKS.md rows are rebuilt with them)."""
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from slimspec.distill.teacher import TeacherData
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("distill_variants", ROOT / "scripts" / "distill_variants.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reverse_kl_matches_float64_and_keeps_forward_kl_for_evaluation():
+    """Catches a swapped KL direction (the reverse row would then be the forward one), a wrong token weighting, and
+    the held-out KL (no gradients) switching to the reverse KL, which would make its rows incomparable."""
+    variants = _script()
+    g = torch.Generator().manual_seed(0)
+    h, down, up = torch.randn(7, 5, generator=g), torch.randn(3, 5, generator=g), torch.randn(11, 3, generator=g)
+    th, head, w = torch.randn(7, 4, generator=g), torch.randn(11, 4, generator=g), torch.rand(7, generator=g)
+    down.requires_grad_(True)
+    loss = variants.reverse_kl_when_training(lambda *a, **k: "forward")(h, down, up, th, head, weights=w)
+    loss.backward()
+
+    d64 = down.detach().double().requires_grad_(True)
+    log_p = torch.log_softmax(th.double() @ head.double().T, -1)
+    log_q = torch.log_softmax(h.double() @ d64.T @ up.double().T, -1)
+    ref = (w.double() * (log_q.exp() * (log_q - log_p)).sum(-1)).sum() / w.double().sum()
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(down.grad.double(), d64.grad, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        assert variants.reverse_kl_when_training(lambda *a, **k: "forward")(h, down, up, th, head) == "forward"
+
+
+def test_target_ce_labels_the_next_token_within_the_sequence_and_draft_vocab():
+    """Catches an off-by-one in the label (TTT row ``here`` predicts token ``here + 1``), a label taken across a
+    sequence boundary or past the end, prompt tokens used as labels, and target tokens outside the draft
+    vocabulary mapped onto some draft row."""
+    variants = _script()
+    g = torch.Generator().manual_seed(1)
+    d2t = torch.tensor([2, 4, 6, 8, 10, 12])  # draft row -> target id
+    up, down = torch.randn(6, 3, generator=g), torch.randn(3, 5, generator=g)
+    drafter = SimpleNamespace(lm_head=SimpleNamespace(weight_up=up, weight_down=down),
+                              draft_to_target=lambda ids: d2t[ids])
+    ids = torch.tensor([1, 4, 6, 7, 8, 2, 10, 12, 4])  # two sequences: tokens 0-4 and 5-8
+    mask = torch.tensor([0, 1, 1, 1, 1, 0, 0, 1, 1], dtype=torch.bool)
+    teacher = TeacherData(input_ids=ids, loss_mask=mask, aux=torch.zeros(9, 1), final=torch.zeros(9, 1),
+                          starts=torch.tensor([0, 5, 9]))
+    here = torch.tensor([[0], [1], [2], [4], [5], [6], [8]])  # one TTT step
+    hidden = torch.randn(7, 1, 5, generator=g)
+    terms = variants.with_target_ce(lambda *a, **k: (torch.zeros(()), [0.0]), alpha=0.7)
+    total, _ = terms(drafter, hidden, here, torch.ones(7, 1), teacher, None, 0.8)
+    # row 0 -> token 4 (draft 1); row 1 -> token 6 (draft 2); row 2 -> 7 (not drafted); row 3 -> next sequence;
+    # row 4 -> token 10 but a prompt token; row 5 -> 12 (draft 5); row 6 -> past the end
+    rows, labels = torch.tensor([0, 1, 5]), torch.tensor([1, 2, 5])
+    logits = hidden[rows, 0].double() @ down.double().T @ up.double().T
+    expected = 0.7 * torch.nn.functional.cross_entropy(logits, labels)
+    torch.testing.assert_close(total.double(), expected, rtol=1e-5, atol=1e-6)
