@@ -7,9 +7,9 @@ a JSON object: ``name`` (required), ``rank`` (default d/8), ``teacher`` (default
 key, N]: train on the first N sequences of that teacher cache (``teacher_cache_root()``) instead of the 300
 calibration prompts, e.g. the reference drafter's own ``v3`` training answers, which
 ``scripts/build_reference_drafter.py --stage teacher --mix v4 --parts v3`` rebuilds), and any ``DistillConfig``
-field (steps, lr, bf16, teacher_temperature, train_backbone, backbone_lr, ...). Two experiment switches exist only
-here (both measured worse than the demo's recipe, BENCHMARKS.md): ``"loss": "reverse"`` trains on KL(student ||
-teacher) (mode-seeking; a materialised loss, ~3x slower) instead of the fused forward KL, and ``"answers_only":
+field (steps, lr, bf16, teacher_temperature, train_backbone, backbone_lr, ...). Three experiment switches exist
+only here (all measured worse than the demo's recipe, BENCHMARKS.md): ``"loss": "reverse"`` trains on KL(student ||
+teacher) (mode-seeking; a materialised loss, ~3x slower) instead of the fused forward KL, ``"answers_only":
 true`` drops the prompt positions the drafter teacher otherwise also learns from, and ``"target_ce": a`` adds
 ``a`` x cross-entropy on the target's actual next token (answer rows whose token is in the draft vocabulary).
 
@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         subset = v.pop("subset", None)
         loss, answers_only = v.pop("loss", "forward"), bool(v.pop("answers_only", False))
         target_ce = float(v.pop("target_ce", 0.0))
-        train.kl_terms = with_target_ce(kl_terms, target_ce) if target_ce else kl_terms
         if loss not in ("forward", "reverse"):
             raise SystemExit(f"{name}: loss must be 'forward' or 'reverse', got {loss!r}")
+        train.kl_terms = with_target_ce(kl_terms, target_ce) if target_ce else kl_terms
         train.full_vocab_kl = reverse_kl_when_training(fused_kl) if loss == "reverse" else fused_kl
         train.student_features = ((lambda *a, all_positions=False, **k: features(*a, **k)) if answers_only
                                   else features)
