@@ -6,7 +6,8 @@ teacher, whitened start), changed by each variant, and measures tau in vLLM at t
 a JSON object: ``name`` (required), ``rank`` (default d/8), ``teacher`` (default drafter), ``subset`` ([teacher cache
 key, N]: train on the first N sequences of that teacher cache (``teacher_cache_root()``) instead of the 300
 calibration prompts, e.g. the reference drafter's own ``v3`` training answers, which
-``scripts/build_reference_drafter.py --stage teacher --mix v4 --parts v3`` rebuilds), and any ``DistillConfig``
+``scripts/build_reference_drafter.py --stage teacher --mix v4 --parts v3`` rebuilds), ``options`` (``DataOptions``
+fields of the calibration data, e.g. ``{"temperature": 1.0, "seed": 1}``: sampled answers), and any ``DistillConfig``
 field (steps, lr, bf16, teacher_temperature, train_backbone, backbone_lr, ...). Three experiment switches exist
 only here (all measured worse than the demo's recipe, BENCHMARKS.md): ``"loss": "reverse"`` trains on KL(student ||
 teacher) (mode-seeking; a materialised loss, ~3x slower) instead of the fused forward KL, ``"answers_only":
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in json.loads(args.variants):
         v = dict(variant)
         name, rank, teacher = v.pop("name"), v.pop("rank", "d/8"), v.pop("teacher", "drafter")
-        subset = v.pop("subset", None)
+        subset, data_overrides = v.pop("subset", None), v.pop("options", {})
         loss, answers_only = v.pop("loss", "forward"), bool(v.pop("answers_only", False))
         target_ce = float(v.pop("target_ce", 0.0))
         if loss not in ("forward", "reverse"):
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         train.student_features = ((lambda *a, all_positions=False, **k: features(*a, **k)) if answers_only
                                   else features)
         options, cfg = pipeline.brief_distillation(None, teacher)
-        cfg = dataclasses.replace(cfg, **v)
+        options, cfg = dataclasses.replace(options, **data_overrides), dataclasses.replace(cfg, **v)
         pipeline.teacher_for = brief_teacher
         if subset:
             data = load_teacher_data(teacher_cache_root() / subset[0])

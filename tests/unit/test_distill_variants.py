@@ -64,3 +64,37 @@ def test_target_ce_labels_the_next_token_within_the_sequence_and_draft_vocab():
     logits = hidden[rows, 0].double() @ down.double().T @ up.double().T
     expected = 0.7 * torch.nn.functional.cross_entropy(logits, labels)
     torch.testing.assert_close(total.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_variant_options_reach_the_calibration_data_and_other_keys_the_distillation(tmp_path, monkeypatch):
+    """Catches a variant's ``options`` (DataOptions fields: which prompts, sampled answers) being dropped or sent
+    to the distillation config, and the recipe's other data settings (64-token answers, static engine) being lost
+    when one field is overridden: the sampled-answer and chat-calibration rows would then measure the demo's data."""
+    import sys
+
+    variants = _script()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import rank_sweep
+
+    import slimspec.convert.pipeline as convert_pipeline
+    import slimspec.hub as hub
+
+    calls = []
+
+    def fake_convert(source, target, rank, **kwargs):
+        calls.append(kwargs)
+        return SimpleNamespace(report={"distill": {"kl_after_per_step": [0.5]}, "teacher": {"tokens": 3}})
+
+    monkeypatch.setattr(convert_pipeline, "convert", fake_convert)
+    monkeypatch.setattr(hub, "resolve_model", lambda spec, kind: tmp_path)
+    monkeypatch.setattr(rank_sweep, "VllmTau", lambda: (lambda folder: {"tau": 1.5}))
+    out = tmp_path / "rows.jsonl"
+    args = ['[{"name": "s", "steps": 7, "options": {"temperature": 1.0, "seed": 3, "data": ["a.jsonl"]}}]',
+            "--out", str(out), "--work", str(tmp_path / "work")]
+    assert variants.main(args) == 0
+    (kw,) = calls
+    data, cfg = kw["data_options"], kw["distill_config"]
+    assert (data.temperature, data.seed, data.data) == (1.0, 3, ["a.jsonl"])
+    assert (data.max_new_tokens, data.engine, data.num_prompts) == (64, "static", None)
+    assert cfg.steps == kw["distill_steps"] == 7 and cfg.teacher == "drafter"
+    assert cfg.seed == 0  # the data seed stays with the data
