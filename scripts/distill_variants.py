@@ -7,7 +7,9 @@ a JSON object: ``name`` (required), ``rank`` (default d/8), ``teacher`` (default
 key, N]: train on the first N sequences of that teacher cache (``teacher_cache_root()``) instead of the 300
 calibration prompts, e.g. the reference drafter's own ``v3`` training answers, which
 ``scripts/build_reference_drafter.py --stage teacher --mix v4 --parts v3`` rebuilds), ``options`` (``DataOptions``
-fields of the calibration data, e.g. ``{"temperature": 1.0, "seed": 1}``: sampled answers), and any ``DistillConfig``
+fields of the calibration data, e.g. ``{"temperature": 1.0, "seed": 1}``: sampled answers), ``init`` (``convert``'s:
+auto, svd, whitened), ``shrink`` (alpha: the whitened start's covariance shrunk toward the isotropic one, C + alpha
+mean(diag C) I), and any ``DistillConfig``
 field (steps, lr, bf16, teacher_temperature, train_backbone, backbone_lr, ...). Three experiment switches exist
 only here (all measured worse than the demo's recipe, BENCHMARKS.md): ``"loss": "reverse"`` trains on KL(student ||
 teacher) (mode-seeking; a materialised loss, ~3x slower) instead of the fused forward KL, ``"answers_only":
@@ -64,10 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         record({"name": "original", "source": args.source, **original})
     brief_teacher = pipeline.teacher_for
     fused_kl, features, kl_terms = train.full_vocab_kl, train.student_features, train.kl_terms
+    covariance = pipeline.activation_covariance
     for variant in json.loads(args.variants):
         v = dict(variant)
         name, rank, teacher = v.pop("name"), v.pop("rank", "d/8"), v.pop("teacher", "drafter")
         subset, data_overrides = v.pop("subset", None), v.pop("options", {})
+        init, shrink = v.pop("init", "auto"), float(v.pop("shrink", 0.0))
+        pipeline.activation_covariance = shrunk_covariance(covariance, shrink) if shrink else covariance
         loss, answers_only = v.pop("loss", "forward"), bool(v.pop("answers_only", False))
         target_ce = float(v.pop("target_ce", 0.0))
         if loss not in ("forward", "reverse"):
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             pipeline.teacher_for = lambda *a, data=data, n=int(subset[1]), **k: data.subset(list(range(n)))
         started = time.perf_counter()
         out = args.work / name
-        report = convert(source, TARGET, rank, vocab="draft", out=out, overwrite=True, progress=False,
+        report = convert(source, TARGET, rank, vocab="draft", out=out, overwrite=True, progress=False, init=init,
                          distill_steps=cfg.steps, data_options=options, distill_config=cfg).report
         row = measure(str(out.resolve()))
         distilled = report["distill"]
@@ -94,6 +99,18 @@ def main(argv: list[str] | None = None) -> int:
             row["rho"] = row["tau"] / original["tau"]
         record(row)
     return 0
+
+
+def shrunk_covariance(covariance, alpha: float):
+    """``activation_covariance`` shrunk toward the isotropic one: ``C + alpha * mean(diag C) * I`` (alpha -> inf:
+    the plain SVD start; 0: the whitened start fitted to the calibration states alone)."""
+    import torch
+
+    def shrunk(features, *args, **kwargs):
+        cov = covariance(features, *args, **kwargs)
+        return cov + alpha * cov.diagonal().mean() * torch.eye(cov.shape[0], dtype=cov.dtype)
+
+    return shrunk
 
 
 def reverse_kl_when_training(fused_kl):

@@ -149,4 +149,21 @@ def factorize_whitened(
     for start in range(0, weight.shape[0], chunk_rows):
         w_up[start:start + chunk_rows] = weight[start:start + chunk_rows].to(dtype) @ right
     w_down = ((sigma.sqrt()[:, None] * vectors.T) @ inv_sqrt_c).to(dtype)
+    w_up, w_down = balance_factors(w_up, w_down)
     return w_up.to(weight.dtype), w_down.to(weight.dtype)
+
+
+def balance_factors(w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rescale each rank component so ``w_up[:, i]`` and ``w_down[i]`` have the same norm (the product is kept).
+
+    The whitened factors carry the covariance's scale: ``S = C^{1/2}`` grows with the number of calibration rows,
+    so ``w_up`` comes out ~N^{1/4} too large and ``w_down`` as much too small. Adam moves every weight by about
+    its lr whatever its size, so such a start trains ``w_down`` in huge relative steps and ``w_up`` hardly at all
+    (measured: whitened start 1.68 -> 0.84 held-out KL in 200 steps, the worse SVD start 4.84 -> 0.79).
+    The SVD split (sqrt of each singular value on either side) is balanced already.
+    """
+    a = w_up.double().norm(dim=0)
+    b = w_down.double().norm(dim=1)
+    ok = (a > 0) & (b > 0)
+    scale = torch.where(ok, (b / a.clamp_min(1e-300)).sqrt(), torch.ones_like(a))
+    return (w_up * scale.to(w_up.dtype)), (w_down / scale.to(w_down.dtype)[:, None])
