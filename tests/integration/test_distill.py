@@ -78,6 +78,31 @@ def test_features_hold_answer_positions_only(tiny_converted, tiny_target, tmp_pa
     torch.testing.assert_close(features.hidden, torch.cat([e[0] for e in expected]).float())
 
 
+def test_distill_balances_a_lopsided_low_rank_head_first(tiny_converted, tiny_target, tmp_path):
+    """Catches ``slimspec distill`` training a low-rank head whose factors have different scales as they are
+    (conversions made before the whitened start was balanced: Adam then moved ``w_down`` in huge relative steps
+    and ``w_up`` hardly at all). Before the first step each component's two norms must match, the logits kept."""
+    from slimspec.checkpoint.drafter import load_drafter
+    from slimspec.distill.pipeline import drafter_model, load_target_parts, teacher_head_for
+    from slimspec.distill.train import distill_drafter
+    from slimspec.model import LowRankHead
+
+    parts = load_target_parts(str(tiny_target))
+    drafter = drafter_model(load_drafter(tiny_converted), parts)
+    up, down = drafter.lm_head.up.detach(), drafter.lm_head.down.detach()
+    drafter.lm_head = LowRankHead(up * 300.0, down / 300.0)
+    h = torch.randn(5, down.shape[1], generator=torch.Generator().manual_seed(0))
+    before = drafter.lm_head(h)
+    prompts = [Prompt(str(i), p) for i, p in enumerate(["Say hi.", "Count to three.", "Name a colour.", "Why?"])]
+    data = build_teacher_data(tiny_target, prompts, TeacherSettings(max_new_tokens=8, aux_layers=(1, 2, 3)),
+                              cache_root=tmp_path, progress=False)
+    distill_drafter(drafter, data, teacher_head_for(drafter, parts), DistillConfig(steps=0, eval_every_nth=2),
+                    progress=False)
+    head = drafter.lm_head
+    torch.testing.assert_close(head.up.norm(dim=0), head.down.norm(dim=1), rtol=1e-4, atol=0.0)
+    torch.testing.assert_close(head(h), before, rtol=1e-4, atol=1e-5)
+
+
 def test_convert_with_whitened_init_and_distill(tiny_converted, tiny_target, tmp_path):
     """Catches a loop that does not reduce the held-out KL, and a missing side-by-side init report."""
     res = slimspec.convert(str(tmp_path / "drafter"), str(tiny_target), 8, out=tmp_path / "o", init="whitened",

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from slimspec.distill.loss import full_vocab_kl
 from slimspec.distill.teacher import TeacherData
 from slimspec.errors import SlimSpecError
-from slimspec.model import Eagle3Drafter
+from slimspec.model import Eagle3Drafter, LowRankHead
 
 TEACHERS = ("target", "drafter")
 """What the head is distilled against: the target's next-token distribution (learns from the target, needs data),
@@ -400,6 +400,13 @@ def distill_drafter(
                                              source=source)
     train_features = None if cfg.train_backbone else student_features(drafter, teacher, train_idx, k, progress,
                                                                        all_positions=kind == "drafter")
+    if isinstance(drafter.lm_head, LowRankHead):  # Adam moves each weight by ~lr: factors must share one scale
+        from slimspec.convert.factorize import balance_factors
+
+        with torch.no_grad():
+            for p, balanced in zip((drafter.lm_head.up, drafter.lm_head.down),
+                                   balance_factors(drafter.lm_head.up, drafter.lm_head.down), strict=True):
+                p.copy_(balanced)
     params = trainable_parameters(drafter, cfg.train_backbone)
     head_ids = {id(p) for p in drafter.lm_head.parameters()}
     groups = [{"params": [p for p in params if id(p) in head_ids], "scale": 1.0},
