@@ -31,11 +31,12 @@ DRAFT_TOKENS = 3
 MAX_NEW_TOKENS = 64
 NUM_PROMPTS = 8
 # vLLM tau of the distilled conversion / the original's, at SERVED_RANK. Issue 6 asks 0.97: the v2 reference drafter
-# (tau 1.625) kept 0.999 at d/2; the shipped t7 (tau 1.802, 2026-12-04) keeps 0.946 there (8 x 64, K=3), SVD alone
-# 0.728 (rank 432: 0.851): a stronger drafter's head spreads over more directions (see below).
-TAU_RATIO = 0.93
+# (tau 1.625) kept 0.999 at d/2; the shipped t7 (tau 1.802) keeps 0.974 there (8 x 64, K=3; 0.946 before the whitened
+# start's factors were balanced, session 32), SVD alone 0.728 (rank 432: 0.851): a stronger drafter's head spreads
+# over more directions (see below). 0.96 leaves room for summation-order noise (~0.005) and catches unbalanced factors.
+TAU_RATIO = 0.96
 SERVED_RANK = "d/2"
-D8_TAU_FLOOR = 0.87  # the same recipe at d/8 (issue 5 asks 0.95): v2 kept 0.92-0.94, t7 0.896
+D8_TAU_FLOOR = 0.88  # the same recipe at d/8 (issue 5 asks 0.95): v2 kept 0.92-0.94, t7 0.903 (0.896 unbalanced)
 CONSTANT_TOKEN = 1000  # the tiny constant target's only output
 
 
@@ -125,7 +126,7 @@ def test_converted_drafter_is_lossless_and_keeps_tau(target, drafters, baseline,
           f"{original['tokens_per_second']:.1f}, no speculation {baseline['tokens_per_second']:.1f}")
     assert original["tau"] > 1.3  # a trained drafter: the ratio below means something
     # Issue 6 asks >= 0.97 of the original's tau; at d/2 (rank 288) the v2 reference drafter kept 0.999 here
-    # (8 x 64, K=3), the shipped t7 keeps 0.946 (TAU_RATIO above). With v2, d/4 (rank 144) sat on the threshold
+    # (8 x 64, K=3), the shipped t7 keeps 0.974 (TAU_RATIO above). With v2, d/4 (rank 144) sat on the threshold
     # (0.970 and 0.966 from two runs differing only in float summation order; 0.967 on 16 x 128, K=4) and d/8 kept
     # 0.92-0.94: rank 72 cannot hold this drafter's unsure argmax (BENCHMARKS.md "Why about 0.93").
     assert converted["tau"] >= TAU_RATIO * original["tau"]
@@ -134,7 +135,7 @@ def test_converted_drafter_is_lossless_and_keeps_tau(target, drafters, baseline,
 def test_d8_conversion_keeps_most_of_tau(target, drafters, baseline, original_report):
     """Issue 5's conversion (the demo's: d/8, draft vocab, brief distillation against the drafter) in vLLM: catches a
     regression towards the target-teacher recipe (rho 0.86 in BENCHMARKS.md) or SVD only (~0.74). The issue's 0.95
-    is not reached: 0.92-0.94 here with the v1 and v2 builds, 0.896 with t7 (tau 1.802); rank 72 keeps the top-1
+    is not reached: 0.92-0.94 here with the v1 and v2 builds, 0.903 with t7 (tau 1.802); rank 72 keeps the top-1
     where the drafter is sure (96 %) but 60 % of its positions are < 0.4 sure (BENCHMARKS.md "Why about 0.93"; on
     gsm8k, where it is stronger, 0.96)."""
     converted = _check(target, drafter=drafters["draft8"])
