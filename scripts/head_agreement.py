@@ -30,16 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from slimspec.checkpoint import load_drafter
-    from slimspec.distill.pipeline import DataOptions, teacher_for
+    from slimspec.distill.pipeline import DataOptions, drafter_model, load_target_parts, teacher_for
     from slimspec.distill.train import student_features
-    from slimspec.evaluate.acceptance import load_for_eval
+    from slimspec.evaluate.acceptance import target_of
     from slimspec.hub import resolve_model
 
+    def model_of(drafter: str):
+        return drafter_model(load_drafter(resolve_model(drafter, "drafter")), parts)
+
     torch.set_grad_enabled(False)
-    source, _, parts, _ = load_for_eval(args.source, None)
+    ckpt = load_drafter(resolve_model(args.source, "drafter"))
+    parts = load_target_parts(target_of(args.source, ckpt))  # read once, shared by every head
+    source = drafter_model(ckpt, parts)
     options = DataOptions(data=args.data, max_new_tokens=args.max_new_tokens, engine="static",
                           temperature=args.temperature, seed=args.seed)
-    data = teacher_for(load_drafter(resolve_model(args.source, "drafter")), parts, options, progress=True)
+    data = teacher_for(ckpt, parts, options, progress=True)
     feats = student_features(source, data, list(range(min(len(data), args.sequences))), 3)
     nxt = (feats.teacher_index + 1).clamp(max=data.num_tokens - 1)
     truth = data.input_ids[nxt]
@@ -50,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| head | TTT step | positions | source acc | head acc | agreement | agreement, source sure (share) "
           "| agreement, source unsure |\n|---|---|---|---|---|---|---|---|")
     for folder in args.heads.split(","):
-        head, _, _, _ = load_for_eval(folder, None)
+        head = model_of(folder)
         ours = head.draft_to_target(head.lm_head(feats.hidden).argmax(-1))
         for i in range(feats.hidden.shape[1]):
             m, s = rows[:, i], rows[:, i] & sure[:, i]

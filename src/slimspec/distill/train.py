@@ -403,10 +403,11 @@ def distill_drafter(
     if isinstance(drafter.lm_head, LowRankHead):  # Adam moves each weight by ~lr: factors must share one scale
         from slimspec.convert.factorize import balance_factors
 
+        head = drafter.lm_head
         with torch.no_grad():
-            for p, balanced in zip((drafter.lm_head.up, drafter.lm_head.down),
-                                   balance_factors(drafter.lm_head.up, drafter.lm_head.down), strict=True):
-                p.copy_(balanced)
+            up, down = balance_factors(head.up, head.down)
+            head.up.copy_(up)
+            head.down.copy_(down)
     params = trainable_parameters(drafter, cfg.train_backbone)
     head_ids = {id(p) for p in drafter.lm_head.parameters()}
     groups = [{"params": [p for p in params if id(p) in head_ids], "scale": 1.0},
