@@ -10,11 +10,13 @@ calibration prompts, e.g. the reference drafter's own ``v3`` training answers, w
 fields of the calibration data, e.g. ``{"temperature": 1.0, "seed": 1}``: sampled answers), ``init`` (``convert``'s:
 auto, svd, whitened), ``shrink`` (alpha: the whitened start's covariance shrunk toward the isotropic one, C + alpha
 mean(diag C) I), and any ``DistillConfig``
-field (steps, lr, bf16, teacher_temperature, train_backbone, backbone_lr, ...). Three experiment switches exist
+field (steps, lr, bf16, teacher_temperature, train_backbone, backbone_lr, ...). Four experiment switches exist
 only here (all measured worse than the demo's recipe, BENCHMARKS.md): ``"loss": "reverse"`` trains on KL(student ||
 teacher) (mode-seeking; a materialised loss, ~3x slower) instead of the fused forward KL, ``"answers_only":
 true`` drops the prompt positions the drafter teacher otherwise also learns from, and ``"target_ce": a`` adds
-``a`` x cross-entropy on the target's actual next token (answer rows whose token is in the draft vocabulary).
+``a`` x cross-entropy on the target's actual next token (answer rows whose token is in the draft vocabulary),
+and ``"focus": eps`` weighs training rows 1 where the source head's argmax is the target's next token and ``eps``
+elsewhere (``"soft"``: the source's probability of that token).
 
     python scripts/distill_variants.py --original '[{"name": "brief"},
         {"name": "v3-1500", "subset": ["1e7de22dbc1c2b3f6d12", 1500], "steps": 600}]'
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     brief_teacher = pipeline.teacher_for
     fused_kl, features, kl_terms = train.full_vocab_kl, train.student_features, train.kl_terms
     covariance = pipeline.activation_covariance
+    distill = pipeline.distill_drafter
     for variant in json.loads(args.variants):
         v = dict(variant)
         name, rank, teacher = v.pop("name"), v.pop("rank", "d/8"), v.pop("teacher", "drafter")
@@ -75,12 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         pipeline.activation_covariance = shrunk_covariance(covariance, shrink) if shrink else covariance
         loss, answers_only = v.pop("loss", "forward"), bool(v.pop("answers_only", False))
         target_ce = float(v.pop("target_ce", 0.0))
+        focus = v.pop("focus", None)
         if loss not in ("forward", "reverse"):
             raise SystemExit(f"{name}: loss must be 'forward' or 'reverse', got {loss!r}")
         train.kl_terms = with_target_ce(kl_terms, target_ce) if target_ce else kl_terms
         train.full_vocab_kl = reverse_kl_when_training(fused_kl) if loss == "reverse" else fused_kl
         train.student_features = ((lambda *a, all_positions=False, **k: features(*a, **k)) if answers_only
                                   else features)
+        pipeline.distill_drafter = focused(distill, focus) if focus is not None else distill
         options, cfg = pipeline.brief_distillation(None, teacher)
         options, cfg = dataclasses.replace(options, **data_overrides), dataclasses.replace(cfg, **v)
         pipeline.teacher_for = brief_teacher
@@ -129,6 +134,65 @@ def reverse_kl_when_training(fused_kl):
         return (w * kl).sum() / w.sum()
 
     return loss
+
+
+def next_draft_labels(drafter, teacher, teacher_index):
+    """Draft-vocabulary id of the token after each teacher row (-1: not in the draft vocabulary, prompt text
+    or past the sequence's end): the token the target wrote, i.e. the one a greedy verifier accepts."""
+    import torch
+
+    n = teacher.num_tokens
+    rows = drafter.lm_head.weight_up.shape[0]
+    targets = drafter.draft_to_target(torch.arange(rows))
+    to_draft = torch.full((int(max(teacher.input_ids.max(), targets.max())) + 1,), -1, dtype=torch.long)
+    to_draft[targets] = torch.arange(rows)
+    seq = torch.searchsorted(teacher.starts, torch.arange(n), right=True) - 1
+    nxt = (teacher_index + 1).clamp(max=n - 1)
+    label = to_draft[teacher.input_ids[nxt]]
+    ok = (label >= 0) & teacher.loss_mask[nxt].bool() & (seq[nxt] == seq[teacher_index]) & (teacher_index + 1 < n)
+    return torch.where(ok, label, torch.full_like(label, -1))
+
+
+def focused(distill_drafter, focus):
+    """``train.distill_drafter`` whose training rows weigh 1 where the source head's argmax is the token the
+    target wrote next and ``focus`` (a float) elsewhere: a greedy verifier accepts a draft only there, so a head
+    short of rank may spend it on those rows. ``focus = "soft"``: weight = the source's probability of that
+    token. The held-out KL keeps its plain weights."""
+    import torch
+
+    import slimspec.distill.train as train
+
+    features = train.student_features
+
+    def run(drafter, teacher, teacher_head, cfg, **kwargs):
+        def weighted(*args, all_positions=False, **kw):
+            out = features(*args, all_positions=all_positions, **kw)
+            if not all_positions:
+                return out
+            label = next_draft_labels(drafter, teacher, out.teacher_index)
+            weight = torch.zeros_like(out.weight)
+            head = teacher_head.float()
+            for a in range(0, out.hidden.shape[0], 4096):
+                h = out.hidden[a:a + 4096]
+                logits = torch.cat([h, h.new_ones(*h.shape[:-1], 1)], -1) @ head.T
+                lab = label[a:a + 4096]
+                if focus == "soft":
+                    p = torch.softmax(logits, -1).gather(-1, lab.clamp(min=0)[..., None])[..., 0]
+                    w = torch.where(lab >= 0, p, torch.zeros_like(p))
+                else:
+                    w = (logits.argmax(-1) == lab).float()
+                    w = w + float(focus) * (1 - w)
+                weight[a:a + 4096] = w
+            print(f"[focus] mean weight per TTT step {weight.mean(0).tolist()}", flush=True)
+            return train.StudentFeatures(hidden=out.hidden, teacher_index=out.teacher_index, weight=weight)
+
+        train.student_features = weighted
+        try:
+            return distill_drafter(drafter, teacher, teacher_head, cfg, **kwargs)
+        finally:
+            train.student_features = features
+
+    return run
 
 
 def with_target_ce(kl_terms, alpha: float):
