@@ -115,6 +115,7 @@ def test_features_drop_states_an_earlier_sequence_shares(source_rows):
             if t + 1 + j < shared:
                 torch.testing.assert_close(rows[1][0][t, j], rows[0][0][t, j], rtol=1e-12, atol=1e-12)
     features = student_features(drafter, teacher, [0, 1, 2], k, all_positions=True, source_rows=source_rows)
+    assert not features.hidden.requires_grad  # frozen features (the whitened start hands them to numpy)
     kept = sum(int((r[2].sum(1) > 0).sum()) for r in rows.values())
     # both steps repeated (t + 2 read tokens shared): t <= 3 in sequence 1 (6 shared), t <= 4 in 2 (7 shared)
     dropped_rows = 4 + 5

@@ -182,7 +182,6 @@ def batched_student_outputs(drafter: Eagle3Drafter, teacher: TeacherData, indice
     return results
 
 
-@torch.no_grad()
 def repeated_prefixes(teacher: TeacherData, indices: list[int]) -> torch.Tensor:
     """[num_tokens] bool: True at a position whose whole token prefix (itself included) an earlier sequence of
     ``indices`` has too. The drafter's and the target's states there equal that sequence's, so such rows teach
@@ -203,6 +202,7 @@ def repeated_prefixes(teacher: TeacherData, indices: list[int]) -> torch.Tensor:
     return repeated
 
 
+@torch.no_grad()
 def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list[int], steps: int,
                      progress: bool = False, all_positions: bool = False,
                      source_rows: bool = False) -> StudentFeatures:
