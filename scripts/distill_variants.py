@@ -136,9 +136,10 @@ def reverse_kl_when_training(fused_kl):
     return loss
 
 
-def next_draft_labels(drafter, teacher, teacher_index):
-    """Draft-vocabulary id of the token after each teacher row (-1: not in the draft vocabulary, prompt text
-    or past the sequence's end): the token the target wrote, i.e. the one a greedy verifier accepts."""
+def draft_labeler(drafter, teacher):
+    """A function of teacher rows giving the draft-vocabulary id of the token after each (-1: not in the draft
+    vocabulary, prompt text or past the sequence's end): the token the target wrote, the one a greedy verifier
+    accepts. The id map and each token's sequence are built once here, not per training step."""
     import torch
 
     n = teacher.num_tokens
@@ -147,10 +148,15 @@ def next_draft_labels(drafter, teacher, teacher_index):
     to_draft = torch.full((int(max(teacher.input_ids.max(), targets.max())) + 1,), -1, dtype=torch.long)
     to_draft[targets] = torch.arange(rows)
     seq = torch.searchsorted(teacher.starts, torch.arange(n), right=True) - 1
-    nxt = (teacher_index + 1).clamp(max=n - 1)
-    label = to_draft[teacher.input_ids[nxt]]
-    ok = (label >= 0) & teacher.loss_mask[nxt].bool() & (seq[nxt] == seq[teacher_index]) & (teacher_index + 1 < n)
-    return torch.where(ok, label, torch.full_like(label, -1))
+
+    def labels(teacher_index):
+        nxt = (teacher_index + 1).clamp(max=n - 1)
+        label = to_draft[teacher.input_ids[nxt]]
+        ok = ((label >= 0) & teacher.loss_mask[nxt].bool() & (seq[nxt] == seq[teacher_index])
+              & (teacher_index + 1 < n))
+        return torch.where(ok, label, torch.full_like(label, -1))
+
+    return labels
 
 
 def focused(distill_drafter, focus):
@@ -169,7 +175,7 @@ def focused(distill_drafter, focus):
             out = features(*args, all_positions=all_positions, **kw)
             if not all_positions:
                 return out
-            label = next_draft_labels(drafter, teacher, out.teacher_index)
+            label = draft_labeler(drafter, teacher)(out.teacher_index)
             weight = torch.zeros_like(out.weight)
             head = teacher_head.float()
             for a in range(0, out.hidden.shape[0], 4096):
@@ -209,20 +215,12 @@ def with_target_ce(kl_terms, alpha: float):
                                    global_weight, **kwargs)
         if not torch.is_grad_enabled():
             return total, per_step
-        n = teacher.num_tokens
         if not cache:
-            rows = drafter.lm_head.weight_up.shape[0]
-            targets = drafter.draft_to_target(torch.arange(rows))
-            to_draft = torch.full((int(max(teacher.input_ids.max(), targets.max())) + 1,), -1, dtype=torch.long)
-            to_draft[targets] = torch.arange(rows)
-            cache.update(to_draft=to_draft,
-                         seq=torch.searchsorted(teacher.starts, torch.arange(n), right=True) - 1)
+            cache["labels"] = draft_labeler(drafter, teacher)
         down, up = train.head_factors(drafter)
         for i in range(hidden.shape[1]):
-            here = teacher_index[:, i]
-            nxt = (here + 1).clamp(max=n - 1)
-            label = cache["to_draft"][teacher.input_ids[nxt]]
-            ok = (label >= 0) & teacher.loss_mask[nxt] & (cache["seq"][nxt] == cache["seq"][here]) & (here + 1 < n)
+            label = cache["labels"](teacher_index[:, i])
+            ok = label >= 0
             if bool(ok.any()):
                 logits = hidden[ok, i].float() @ down.float().T @ up.float().T
                 total = total + alpha * decay**i * torch.nn.functional.cross_entropy(logits, label[ok])

@@ -88,7 +88,7 @@ def test_length_groups_cover_each_once_within_the_waste_bound():
 @pytest.mark.parametrize("source_rows", [False, True])
 def test_features_drop_states_an_earlier_sequence_shares(source_rows):
     """Catches a shared prefix (a chat template's system prompt) counted once per sequence: SmolLM2's 24-token
-    system prompt was 16 % of the demo's calibration rows on 24 distinct states. Rows are dropped exactly where
+    system prompt was 18 % of the demo's training rows on 24 distinct states. Rows are dropped exactly where
     every token read so far equals an earlier sequence's, and those states do equal the earlier ones (float64
     reference: the per-sequence forward), so the drop loses nothing."""
     cfg = _config()
