@@ -16,7 +16,8 @@ teacher) (mode-seeking; a materialised loss, ~3x slower) instead of the fused fo
 true`` drops the prompt positions the drafter teacher otherwise also learns from, and ``"target_ce": a`` adds
 ``a`` x cross-entropy on the target's actual next token (answer rows whose token is in the draft vocabulary),
 and ``"focus": eps`` weighs training rows 1 where the source head's argmax is the target's next token and ``eps``
-elsewhere (``"soft"``: the source's probability of that token).
+elsewhere (``"soft"``: the source's probability of that token), and ``"noise": {"kind": "iso"|"data", "scale": s}``
+perturbs the student states while training (see ``with_feature_noise``).
 
     python scripts/distill_variants.py --original '[{"name": "brief"},
         {"name": "v3-1500", "subset": ["1e7de22dbc1c2b3f6d12", 1500], "steps": 600}]'
@@ -79,9 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         loss, answers_only = v.pop("loss", "forward"), bool(v.pop("answers_only", False))
         target_ce = float(v.pop("target_ce", 0.0))
         focus = v.pop("focus", None)
+        noise = v.pop("noise", None)
         if loss not in ("forward", "reverse"):
             raise SystemExit(f"{name}: loss must be 'forward' or 'reverse', got {loss!r}")
         train.kl_terms = with_target_ce(kl_terms, target_ce) if target_ce else kl_terms
+        if noise is not None:
+            train.kl_terms = with_feature_noise(train.kl_terms, noise)
         train.full_vocab_kl = reverse_kl_when_training(fused_kl) if loss == "reverse" else fused_kl
         train.student_features = ((lambda *a, all_positions=False, **k: features(*a, **k)) if answers_only
                                   else features)
@@ -225,6 +229,32 @@ def with_target_ce(kl_terms, alpha: float):
                 logits = hidden[ok, i].float() @ down.float().T @ up.float().T
                 total = total + alpha * decay**i * torch.nn.functional.cross_entropy(logits, label[ok])
         return total, per_step
+
+    return terms
+
+
+def with_feature_noise(kl_terms, noise: dict):
+    """``train.kl_terms`` on perturbed student states while training (augmentation: the student learns the source
+    head on a neighbourhood of its calibration states, which a rank-short head otherwise fits too tightly).
+    ``{"kind": "iso", "scale": s}``: h + s * rms(h) * N(0, I) per row; ``{"kind": "data", "scale": s}``:
+    h + s * (h_a - h_b) with a, b random rows of the same batch (a perturbation shaped like the data)."""
+    import torch
+
+    kind, scale = noise.get("kind", "iso"), float(noise["scale"])
+    if kind not in ("iso", "data"):
+        raise SystemExit(f"noise kind must be 'iso' or 'data', got {kind!r}")
+    generator = torch.Generator().manual_seed(int(noise.get("seed", 0)))
+
+    def terms(drafter, hidden, *args, **kwargs):
+        if torch.is_grad_enabled():
+            if kind == "iso":
+                rms = hidden.pow(2).mean(-1, keepdim=True).sqrt()
+                hidden = hidden + scale * rms * torch.randn(hidden.shape, generator=generator, dtype=hidden.dtype)
+            else:
+                a = torch.randint(0, hidden.shape[0], (hidden.shape[0],), generator=generator)
+                b = torch.randint(0, hidden.shape[0], (hidden.shape[0],), generator=generator)
+                hidden = hidden + scale * (hidden[a] - hidden[b])
+        return kl_terms(drafter, hidden, *args, **kwargs)
 
     return terms
 

@@ -98,3 +98,27 @@ def test_variant_options_reach_the_calibration_data_and_other_keys_the_distillat
     assert (data.max_new_tokens, data.engine, data.num_prompts) == (64, "static", None)
     assert cfg.steps == kw["distill_steps"] == 7 and cfg.teacher == "drafter"
     assert cfg.seed == 0  # the data seed stays with the data
+
+
+def test_feature_noise_perturbs_only_training_states_by_the_stated_amount():
+    """Catches the augmentation leaking into the held-out KL (no gradients: states must arrive untouched), a scale
+    applied to the wrong quantity (iso: per-row RMS; data: the difference of two random rows of the batch), and
+    a perturbation that is not there at all (the augmentation rows would then measure the plain recipe)."""
+    variants = _script()
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(4000, 2, 6, generator=g) * torch.tensor([1.0, 3.0, 0.1, 2.0, 5.0, 0.5])
+    seen = []
+    inner = lambda drafter, h, *a, **k: (seen.append(h) or torch.zeros(()), [])  # noqa: E731
+    with torch.no_grad():
+        variants.with_feature_noise(inner, {"kind": "iso", "scale": 0.5})(None, hidden)
+    assert seen[-1] is hidden
+    variants.with_feature_noise(inner, {"kind": "iso", "scale": 0.5})(None, hidden)
+    delta = seen[-1] - hidden
+    rms = hidden.pow(2).mean(-1, keepdim=True).sqrt()
+    ratio = (delta / rms).std()
+    assert abs(float(ratio) - 0.5) < 0.01
+    variants.with_feature_noise(inner, {"kind": "data", "scale": 0.25})(None, hidden)
+    delta = seen[-1] - hidden
+    # a difference of two independent rows has twice the per-dimension variance of the data
+    expected = 0.25 * (2 * hidden.var(0)).sqrt()
+    torch.testing.assert_close(delta.std(0), expected, rtol=0.08, atol=1e-3)
