@@ -10,12 +10,12 @@ calibration prompts, e.g. the reference drafter's own ``v3`` training answers, w
 fields of the calibration data, e.g. ``{"temperature": 1.0, "seed": 1}``: sampled answers), ``init`` (``convert``'s:
 auto, svd, whitened), ``shrink`` (alpha: the whitened start's covariance shrunk toward the isotropic one, C + alpha
 mean(diag C) I), and any ``DistillConfig``
-field (steps, lr, bf16, teacher_temperature, train_backbone, backbone_lr, ...). Four experiment switches exist
-only here (all measured worse than the demo's recipe, BENCHMARKS.md): ``"loss": "reverse"`` trains on KL(student ||
-teacher) (mode-seeking; a materialised loss, ~3x slower) instead of the fused forward KL, ``"answers_only":
-true`` drops the prompt positions the drafter teacher otherwise also learns from, and ``"target_ce": a`` adds
-``a`` x cross-entropy on the target's actual next token (answer rows whose token is in the draft vocabulary),
-and ``"focus": eps`` weighs training rows 1 where the source head's argmax is the target's next token and ``eps``
+field (steps, lr, bf16, teacher_temperature, train_backbone, backbone_lr, ...). Five experiment switches exist only
+here (none measured better than the demo's recipe beyond noise, BENCHMARKS.md): ``"loss": "reverse"`` trains on
+KL(student || teacher) (mode-seeking; a materialised loss, ~3x slower) instead of the fused forward KL,
+``"answers_only": true`` drops the prompt positions the drafter teacher otherwise also learns from, ``"target_ce": a``
+adds ``a`` x cross-entropy on the target's actual next token (answer rows whose token is in the draft vocabulary),
+``"focus": eps`` weighs training rows 1 where the source head's argmax is the target's next token and ``eps``
 elsewhere (``"soft"``: the source's probability of that token), and ``"noise": {"kind": "iso"|"data", "scale": s}``
 perturbs the student states while training (see ``with_feature_noise``).
 
