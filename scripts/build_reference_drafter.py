@@ -172,7 +172,8 @@ def main() -> int:
     base = MIX_PARTS[args.mix][0] if args.mix in MIX_PARTS else args.mix
     prompts = compose_prompts(WORK / f"prompts-{base}.jsonl", base)
     options = DataOptions(data=str(prompts), responses="regenerate", max_new_tokens=128, max_length=768,
-                          engine=MIX_ENGINE.get(base, "transformers"), answers=str(answers_file(base)))
+                          engine=MIX_ENGINE.get(base, "transformers"), answers=str(answers_file(base)),
+                          generation_dtype="bfloat16")  # the shipped answers' (their cache keys name it)
     target = "embedded:smollm2-135m"
     if args.stage == "save-answers":
         parts = load_target_parts(target)

@@ -14,7 +14,7 @@ from slimspec.errors import SlimSpecError, first_line
 
 JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "init", "distill_steps", "data",
             "num_prompts", "responses", "max_new_tokens", "overwrite", "push_to", "eval_prompts", "revision",
-            "generation_engine"}
+            "generation_engine", "generation_dtype"}
 SETTINGS = ("drafter", "target", "rank", "vocab", "dtype", "stitch", "init", "distill_steps", "data", "num_prompts",
             "responses", "max_new_tokens", "revision")
 
@@ -79,6 +79,8 @@ def job_fingerprint(job: dict[str, Any]) -> str:
     payload = {k: job.get(k) for k in SETTINGS}
     if job.get("generation_engine", "transformers") != "transformers":  # absent: the fingerprints jobs always had
         payload["generation_engine"] = job["generation_engine"]
+    if job.get("generation_dtype", "auto") != "auto":
+        payload["generation_dtype"] = job["generation_dtype"]
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -112,7 +114,9 @@ def run_job(job: dict[str, Any]) -> JobResult:
         options = DataOptions(data=job.get("data"), num_prompts=job.get("num_prompts"),
                               responses=job.get("responses", "regenerate"),
                               max_new_tokens=int(job.get("max_new_tokens", 128)),
-                              engine=job.get("generation_engine", "transformers"))
+                              engine=job.get("generation_engine", "transformers"),
+                              generation_dtype=None if job.get("generation_dtype", "auto") == "auto"
+                              else job["generation_dtype"])
         result = convert(str(job["drafter"]), job.get("target"), job.get("rank", "d/8"), vocab=job.get("vocab", "full"),
                          out=out, dtype=job.get("dtype"), overwrite=True, revision=job.get("revision"),
                          progress=False, stitch=job.get("stitch", "target"), init=job.get("init", "auto"),

@@ -58,6 +58,11 @@ def data_options(func):
                           "then one float32 forward per sequence. static: one batched static-cache loop gives "
                           "answers and features in the same passes (2.45x faster on 2 CPU cores, `make bench` "
                           "section teacher; Llama/Mistral/Qwen2/Qwen3 targets, others fall back)."),
+        click.option("--generation-dtype", type=click.Choice(["auto", "bfloat16", "float32", "float16"]),
+                     default="auto", show_default=True,
+                     help="dtype of the target copy that writes the answers (and, with the static engine, the "
+                          "features). auto: bfloat16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX), "
+                          "else float32 (emulated bf16 decodes 3-4x slower); $SLIMSPEC_GENERATION_DTYPE sets it."),
         click.option("--aux-layers", help="Target hidden-state indices feeding fc, e.g. 2,15,27 (default: the "
                      "drafter's config, else EAGLE-3's {2, L//2, L-3})."),
         click.option("--aux-convention", type=click.Choice(["input", "output"]),
@@ -94,7 +99,8 @@ def _data_and_config(kw: dict, steps: int):
     options = DataOptions(data=list(kw.pop("data")) or None, num_prompts=kw.pop("num_prompts"),
                           responses=kw.pop("responses"), max_new_tokens=kw.pop("max_new_tokens"),
                           temperature=kw.pop("temperature"), aux_layers=aux, aux_convention=kw.pop("aux_convention"),
-                          engine=kw.pop("generation_engine"))
+                          engine=kw.pop("generation_engine"),
+                          generation_dtype=None if (g := kw.pop("generation_dtype")) == "auto" else g)
     cfg = DistillConfig(steps=steps, ttt_steps=kw.pop("ttt_steps"), lr=kw.pop("lr"),
                         batch_tokens=kw.pop("batch_tokens"), seed=kw.pop("seed"), teacher=kw.pop("teacher"),
                         bf16=kw.pop("bf16"), teacher_temperature=kw.pop("teacher_temperature"))

@@ -16,6 +16,7 @@ from slimspec.distill.prompts import load_prompts
 from slimspec.distill.teacher import TeacherData, TeacherSettings, aux_layers_for, build_teacher_data
 from slimspec.distill.train import DistillConfig, DistillResult, _world, distill_drafter
 from slimspec.errors import SlimSpecError
+from slimspec.hardware import default_generation_dtype
 from slimspec.model import Eagle3Drafter, FullHead
 
 
@@ -45,6 +46,7 @@ class DataOptions:
     engine: str = "transformers"  # TeacherSettings.engine: "static" decodes and takes features in the same passes
     generation_batch: int = 64  # prompts decoded together (part of the cache key: sampled answers depend on it)
     answers: str | None = None  # saved answers of this teacher data (slimspec.distill.answers): not decoded again
+    generation_dtype: str | None = None  # of the answering copy (None: bf16 where the CPU has it natively, else fp32)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def teacher_settings(self, aux_layers: list[int] | tuple[int, ...]) -> TeacherSettings:
@@ -52,7 +54,8 @@ class DataOptions:
         return TeacherSettings(responses=self.responses, max_new_tokens=self.max_new_tokens,
                                temperature=self.temperature, seed=self.seed, max_length=self.max_length,
                                aux_layers=tuple(aux_layers), engine=self.engine,
-                               generation_batch=self.generation_batch)
+                               generation_batch=self.generation_batch,
+                               generation_dtype=self.generation_dtype or default_generation_dtype())
 
 
 BRIEF_RECIPES = {"drafter": (None, 200, 5e-3), "target": (64, 40, 2e-3)}

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from slimspec.distill.prompts import Prompt, prompts_fingerprint
 from slimspec.errors import SlimSpecError
+from slimspec.hardware import GENERATION_DTYPES, default_generation_dtype
 
 Responses = Literal["regenerate", "reference", "none"]
 CACHE_VERSION = 1
@@ -69,10 +70,12 @@ class TeacherSettings:
     aux_layers: tuple[int, ...] | None = None
     dtype: str = "bfloat16"  # storage of the hidden states
     generation_batch: int = 64
-    # Answers are generated with a bf16 copy of the target, 64 length-sorted prompts at a time (SmolLM2-135M on
-    # 2 cores, the 300 calibration prompts x 64 tokens: 50 s at ~360 tokens/s, against 76 s at ~240 with 16 at a
-    # time); features always come from the float32 target.
-    generation_dtype: str = "bfloat16"
+    # Answers are generated with a copy of the target in this dtype, 64 length-sorted prompts at a time
+    # (SmolLM2-135M in bf16 on 2 AVX512-BF16 cores, the 300 calibration prompts x 64 tokens: 50 s at ~360 tokens/s,
+    # against 76 s at ~240 with 16 at a time). Default: bf16 where the CPU has native bf16, else float32 (emulated
+    # bf16 decodes 3-4x slower; ``slimspec.hardware``). The transformers engine's features always come from the
+    # float32 target.
+    generation_dtype: str = field(default_factory=default_generation_dtype)
     # "transformers": answers from ``generate``, then features from one float32 forward per sequence.
     # "static": answers and features from the same passes of the generation-dtype copy (``static_decode``: one
     # preallocated KV cache, no second forward); Llama-family targets only, others fall back to "transformers".
@@ -262,6 +265,9 @@ def build_teacher_data(
 
     if settings.engine not in ("transformers", "static"):
         raise SlimSpecError(f"generation engine must be 'transformers' or 'static', got {settings.engine!r}")
+    if settings.generation_dtype not in GENERATION_DTYPES:
+        raise SlimSpecError(f"generation dtype must be one of {', '.join(GENERATION_DTYPES)}, "
+                            f"got {settings.generation_dtype!r}")
     target_path = Path(target_path)
     where = teacher_location(target_path, prompts, settings, cache_root)
     key, root, folder, work, num_layers = where.key, where.root, where.folder, where.work, where.num_layers

@@ -1,0 +1,51 @@
+"""What this machine computes fast: the dtype the teacher's target copy generates in.
+
+bf16 matmuls are fast on CPUs with bf16 instructions (AVX512-BF16, AMX) and on GPUs; on a CPU without them
+(AVX2 only) PyTorch emulates bf16 and a SmolLM2-135M decode step runs 3-4x *slower* than in float32
+(``scripts/bench.py --only generation-dtype``; the brief recipe's 300 answers took 20 min instead of 2.5 on such a
+2-core machine). So generation uses bf16 only where the hardware has it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from slimspec.errors import SlimSpecError
+
+GENERATION_DTYPE_ENV = "SLIMSPEC_GENERATION_DTYPE"
+_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+GENERATION_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty where it cannot be read)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def cpu_has_native_bf16(flags: set[str] | None = None) -> bool:
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX), not by emulation."""
+    flags = cpu_flags() if flags is None else flags
+    return any(f in flags for f in _BF16_CPU_FLAGS)
+
+
+def default_generation_dtype(flags: set[str] | None = None) -> str:
+    """``$SLIMSPEC_GENERATION_DTYPE`` if set, else bfloat16 where the CPU has native bf16, else float32.
+
+    The teacher always runs on the CPU here (its cache key records the dtype, so a cache made on one kind of
+    machine is not silently reused with answers from another)."""
+    chosen = os.environ.get(GENERATION_DTYPE_ENV, "").strip()
+    if chosen:
+        if chosen not in GENERATION_DTYPES:
+            raise SlimSpecError(f"{GENERATION_DTYPE_ENV} must be one of {', '.join(GENERATION_DTYPES)}; "
+                                f"got {chosen!r}")
+        return chosen
+    return "bfloat16" if cpu_has_native_bf16(flags) else "float32"
+
