@@ -289,10 +289,12 @@ def bench_teacher(num_prompts: int = 128, new_tokens: int = 128) -> list[str]:
         "## Teacher data: transformers' generate + float32 forward vs the static engine",
         "",
         f"`build_teacher_data` on the embedded target: the first {num_prompts} shipped calibration prompts, greedy "
-        f"{new_tokens}-token answers, features at layers (2, 15, 27), fresh cache each; answers from a bf16 copy",
-        "in both engines. transformers: `generate` (length-sorted batches, left padding), then one float32 forward",
-        "per sequence for the features. static: `static_decode` (one preallocated KV cache; features from the",
-        "same bf16 passes). Same answers: sequences token-for-token equal to the transformers engine's; aux",
+        f"{new_tokens}-token answers, features at layers (2, 15, 27), fresh cache each; answers from a "
+        f"{settings.generation_dtype} copy",
+        "in both engines (this CPU's default, `slimspec.hardware`). transformers: `generate` (length-sorted batches,",
+        "left padding), then one float32 forward per sequence for the features. static: `static_decode` (one",
+        "preallocated KV cache; features from the same passes). Same answers: sequences token-for-token equal to",
+        "the transformers engine's; aux",
         "difference: mean |static - transformers| / mean |transformers| over matching positions.",
         "",
         "| engine | prompts a batch | seconds | tokens/s (prompt + answer) | answer tokens/s | speed-up | same "
@@ -353,7 +355,8 @@ def bench_teacher_rebuild(num_prompts: int = 128, new_tokens: int = 128, batch: 
     return [
         "## Teacher data: decode-step attention, and rebuilding from saved answers",
         "",
-        f"`build_teacher_data` (static engine, bf16) on the embedded target: the first {num_prompts} shipped "
+        f"`build_teacher_data` (static engine, {settings.generation_dtype}) on the embedded target: the first "
+        f"{num_prompts} shipped "
         f"calibration prompts, greedy {new_tokens}-token answers, {batch} prompts a batch, features at layers "
         "(2, 15, 27), fresh cache each. SDPA: `scaled_dot_product_attention(enable_gqa=True)` with the cache mask at",
         "every decode step (it copies the cache to every query head on the CPU); grouped: query heads grouped by",
@@ -366,6 +369,43 @@ def bench_teacher_rebuild(num_prompts: int = 128, new_tokens: int = 128, batch: 
         "| teacher data from | seconds | tokens/s (prompt + answer) | speed-up | same answers | aux difference |",
         "|---|---|---|---|---|---|",
         *lines,
+        "",
+    ]
+
+
+def bench_generation_dtype(num_prompts: int = 32, new_tokens: int = 64) -> list[str]:
+    """Static-engine teacher data with the answering copy in float32 vs bf16, side by side on this CPU: the
+    measurement behind ``slimspec.hardware.default_generation_dtype`` (bf16 only with native bf16 instructions)."""
+    import tempfile
+
+    from slimspec.distill.prompts import load_prompts
+    from slimspec.distill.teacher import TeacherSettings, build_teacher_data
+    from slimspec.embedded import embedded_target_path
+    from slimspec.hardware import _BF16_CPU_FLAGS, cpu_flags, default_generation_dtype
+
+    target = embedded_target_path(progress=False)
+    prompts = load_prompts(None)[:num_prompts]
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        settings = TeacherSettings(max_new_tokens=new_tokens, aux_layers=(2, 15, 27), generation_batch=num_prompts,
+                                   engine="static", generation_dtype=dtype)
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.perf_counter()
+            teacher = build_teacher_data(target, prompts, settings, cache_root=Path(tmp), progress=False)
+            rows.append((dtype, time.perf_counter() - start, teacher.num_tokens))
+    flags = sorted(f for f in cpu_flags() if f in _BF16_CPU_FLAGS or f.startswith("avx512f") or f == "avx2")
+    return [
+        "## Teacher generation dtype: float32 vs bf16 on this CPU",
+        "",
+        f"`build_teacher_data` (static engine) on the embedded target: the first {num_prompts} shipped calibration "
+        f"prompts in one batch, greedy {new_tokens}-token answers, fresh cache each. CPU {_cpu_name()}, flags "
+        f"{', '.join(flags) or 'none of avx2/avx512f/avx512_bf16/amx_bf16'}; default here: "
+        f"**{default_generation_dtype()}** (bf16 only with avx512_bf16 or amx_bf16). Session 35 (AVX2-only AMD EPYC):",
+        "emulated bf16 made the demo's 300 answers take 20 min instead of ~2.5.",
+        "",
+        "| answering copy | seconds | tokens/s (prompt + answer) | float32 time / this |",
+        "|---|---|---|---|",
+        *[f"| {d} | {sec:.0f} | {tok / sec:.0f} | {rows[0][1] / sec:.2f}x |" for d, sec, tok in rows],
         "",
     ]
 
@@ -529,7 +569,8 @@ def bench_train_batch(steps: int = 12) -> list[str]:
 
 SECTIONS = {"factorize": bench_factorize, "kl": bench_kl_section, "head": bench_head,
             "distill": bench_distill_starts, "decode": bench_decode, "plane": bench_plane, "teacher": bench_teacher,
-            "teacher-rebuild": bench_teacher_rebuild, "train-step": bench_train_step, "train-batch": bench_train_batch}
+            "teacher-rebuild": bench_teacher_rebuild, "generation-dtype": bench_generation_dtype,
+            "train-step": bench_train_step, "train-batch": bench_train_batch}
 
 
 def main() -> int:
