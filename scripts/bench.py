@@ -567,10 +567,88 @@ def bench_train_batch(steps: int = 12) -> list[str]:
     ]
 
 
+def bench_teacher_table(repeats: int = 5, table_rows: int = 4096) -> list[str]:
+    """One head-only distillation step of the demo's recipe (d/8 of the reference drafter: 2048 positions x 3 TTT
+    steps, draft vocab 8192, drafter teacher [8192, 577]) with the teacher multiplied out per step (before) and
+    read from a precomputed table (fp32, fp16), interleaved; and what building the table costs per row."""
+    import types
+
+    from slimspec.distill.teacher_table import teacher_table
+    from slimspec.distill.train import kl_terms, teacher_hidden
+    from slimspec.model import LowRankHead
+
+    g = torch.Generator().manual_seed(0)
+    d, rank, vocab, k, batch = 576, 72, 8192, 3, 2048
+    head = _decaying(vocab, d)
+    u, s, vh = torch.linalg.svd(head, full_matrices=False)
+    drafter = types.SimpleNamespace(lm_head=LowRankHead(u[:, :rank] * s[:rank], vh[:rank]))
+    teacher_head = torch.cat([head, torch.randn(vocab, 1, generator=g) * 0.1], 1)
+    hidden = torch.randn(batch, k, d, generator=g) * 3
+    weight = torch.ones(batch, k)
+    index = torch.zeros(batch, k, dtype=torch.long)
+
+    def rows_of(part: slice, i: int) -> torch.Tensor:
+        return teacher_hidden(hidden[part, i], index[part, i], None, "drafter")
+
+    tables = {dtype: teacher_table(weight, rows_of, teacher_head, dtype=dtype) for dtype in (torch.float32,
+                                                                                             torch.float16)}
+    variants = {"teacher multiplied out per step (before)": None, "fp32 table": torch.float32,
+                "fp16 table": torch.float16}
+
+    def step(dtype) -> tuple[float, float]:
+        started = time.perf_counter()
+        rows = torch.randperm(batch, generator=g)  # the batch's gather, as in training
+        logits = tables[dtype][rows] if dtype is not None else None
+        loss, _ = kl_terms(drafter, hidden[rows], index, weight, None, teacher_head, 0.8, kind="drafter",
+                           teacher_logits=logits)
+        loss.backward()
+        drafter.lm_head.zero_grad(set_to_none=True)
+        return time.perf_counter() - started, float(loss.detach())
+
+    for dtype in variants.values():
+        step(dtype)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    losses: dict[str, float] = {}
+    for _ in range(repeats):
+        for name, dtype in variants.items():
+            seconds, losses[name] = step(dtype)
+            times[name].append(seconds)
+    median = {name: sorted(t)[repeats // 2] for name, t in times.items()}
+    build_weight = torch.ones(table_rows, k)
+    many = torch.randn(table_rows, k, d, generator=g) * 3
+    started = time.perf_counter()
+    teacher_table(build_weight, lambda part, i: teacher_hidden(many[part, i], index[:1, 0].expand(part.stop
+                  - part.start), None, "drafter"), teacher_head)
+    per_row = (time.perf_counter() - started) / table_rows
+    base = median["teacher multiplied out per step (before)"]
+    lines = [f"| {name} | {median[name]:.2f} | {base / median[name]:.2f}x | {losses[name]:.5f} |" for name in variants]
+    saved = base - median["fp32 table"]
+    return [
+        "## Head-only distillation step: precomputed teacher table — issue 5 (demo time)",
+        "",
+        f"One step of the demo's brief distillation at d/8 ({batch} positions x {k} TTT steps, draft vocab {vocab}, "
+        f"rank {rank}; teacher: the source head [{vocab}, {d + 1}] on the student's frozen states), forward + "
+        f"backward, median of {repeats}, interleaved; CPU: {_cpu_name()}. With frozen features the teacher's "
+        "log-probabilities of each (row, TTT step) never change: `distill_drafter` computes them once into a table "
+        "(`slimspec.distill.teacher_table`, float32 where it fits a third of the free memory, else float16) and "
+        "each step slices it (the gather of the batch's rows is timed too). Same loss up to the table's rounding.",
+        "",
+        "| teacher | seconds / step | speed-up | loss |",
+        "|---|---|---|---|",
+        *lines,
+        "",
+        f"Building the table: {per_row * 1e3:.3f} ms per position ({k} TTT steps), i.e. "
+        f"{per_row * batch:.2f} s per {batch} positions; a step saves {saved:.2f} s, so the table pays for itself "
+        f"once the run draws each position {per_row * batch / max(saved, 1e-9):.2f} times on average (the demo: "
+        "200 steps x 2048 over its ~39k positions, ~10 times).",
+        "",
+    ]
+
+
 SECTIONS = {"factorize": bench_factorize, "kl": bench_kl_section, "head": bench_head,
             "distill": bench_distill_starts, "decode": bench_decode, "plane": bench_plane, "teacher": bench_teacher,
             "teacher-rebuild": bench_teacher_rebuild, "generation-dtype": bench_generation_dtype,
-            "train-step": bench_train_step, "train-batch": bench_train_batch}
+            "train-step": bench_train_step, "train-batch": bench_train_batch, "teacher-table": bench_teacher_table}
 
 
 def main() -> int:

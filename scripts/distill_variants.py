@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     brief_teacher = pipeline.teacher_for
     fused_kl, features, kl_terms = train.full_vocab_kl, train.student_features, train.kl_terms
     covariance = pipeline.activation_covariance
+    table = train.frozen_teacher_table
     distill = pipeline.distill_drafter
     for variant in json.loads(args.variants):
         v = dict(variant)
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         if noise is not None:
             train.kl_terms = with_feature_noise(train.kl_terms, noise)
         train.full_vocab_kl = reverse_kl_when_training(fused_kl) if loss == "reverse" else fused_kl
+        # both score teacher logits of rows they change or materialise: no precomputed teacher table for them
+        train.frozen_teacher_table = (lambda *a, **k: None) if loss == "reverse" or noise is not None else table
         train.student_features = ((lambda *a, all_positions=False, **k: features(*a, **k)) if answers_only
                                   else features)
         pipeline.distill_drafter = focused(distill, focus) if focus is not None else distill

@@ -112,14 +112,17 @@ def _fused(fn):
     return _FUSED[fn.__name__]
 
 
-def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor, teacher_head: Tensor, coef: Tensor,
+def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor | None, teacher_head: Tensor | None, coef: Tensor,
                 chunk_size: int, token_chunk: int, want_dz: bool, want_dw_up: bool,
-                matmul_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                matmul_dtype: torch.dtype | None = None,
+                teacher_logits: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Weighted KL sum_t coef_t KL_t and, on request, its gradients w.r.t. ``z`` [T, r] and ``w_up`` [V, r].
 
     ``z`` and ``coef`` are in the compute dtype; the other inputs are cast chunk by chunk. ``matmul_dtype``
     (e.g. bfloat16): the four big matmuls (both logits, both gradients) take inputs of that dtype and their results
     are widened back to the compute dtype, in which everything else is done and accumulated.
+    ``teacher_logits`` [T, V] (then ``teacher_hidden`` and ``teacher_head`` are None): the teacher's logits (or
+    log-probabilities) given, sliced chunk by chunk instead of multiplied out.
     """
     cdtype = z.dtype
     mdtype = matmul_dtype or cdtype
@@ -136,7 +139,8 @@ def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor, teacher_head: T
 
     fold, kl_only, kl_and_grad = _fused(_fold_lse), _fused(_kl_rows), _fused(_kl_rows_and_grad)
     if mdtype != cdtype:  # cast the big operands once, not once per token chunk
-        w_up, teacher_head = w_up.to(mdtype), teacher_head.to(mdtype)
+        w_up = w_up.to(mdtype)
+        teacher_head = teacher_head.to(mdtype) if teacher_head is not None else None
     tokens, rank = z.shape
     vocab = w_up.shape[0]
     bounds = [(v0, min(v0 + chunk_size, vocab)) for v0 in range(0, vocab, chunk_size)]
@@ -148,7 +152,7 @@ def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor, teacher_head: T
         t1 = min(t0 + token_chunk, tokens)
         z_t = z[t0:t1]
         z_m = z_t.to(mdtype)
-        th_t = teacher_hidden[t0:t1].to(mdtype)
+        th_t = teacher_hidden[t0:t1].to(mdtype) if teacher_logits is None else None
         coef_t = coef[t0:t1, None]
         n = t1 - t0
         max_p = z.new_full((n,), neg_inf)
@@ -159,7 +163,7 @@ def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor, teacher_head: T
         student_chunks: list[Tensor] = []
         # sweep 1: chunk logits of both models and their streaming log-sum-exp
         for v0, v1 in bounds:
-            a = mm(th_t, teacher_head[v0:v1].T)
+            a = mm(th_t, teacher_head[v0:v1].T) if th_t is not None else teacher_logits[t0:t1, v0:v1].to(cdtype)
             b = mm(z_m, w_up[v0:v1].T)
             max_p, sum_p = fold(a, max_p, sum_p)
             max_q, sum_q = fold(b, max_q, sum_q)
@@ -190,16 +194,17 @@ class _FullVocabKL(torch.autograd.Function):
     """Forward computes the loss and the chunk-reduced gradients; backward scales them by grad_output."""
 
     @staticmethod
-    def forward(ctx: Any, student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor,
-                teacher_head: Tensor, coef: Tensor, chunk_size: int, token_chunk: int,
-                matmul_dtype: torch.dtype | None) -> Tensor:
+    def forward(ctx: Any, student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor | None,
+                teacher_head: Tensor | None, coef: Tensor, chunk_size: int, token_chunk: int,
+                matmul_dtype: torch.dtype | None, teacher_logits: Tensor | None) -> Tensor:
         need_h, need_down, need_up = ctx.needs_input_grad[:3]
         cdtype = coef.dtype
         h = student_hidden.to(cdtype)
         down = w_down.to(cdtype)
         z = h @ down.T
         loss, dz, dw_up = _chunked_kl(z, w_up, teacher_hidden, teacher_head, coef, chunk_size, token_chunk,
-                                      want_dz=need_h or need_down, want_dw_up=need_up, matmul_dtype=matmul_dtype)
+                                      want_dz=need_h or need_down, want_dw_up=need_up, matmul_dtype=matmul_dtype,
+                                      teacher_logits=teacher_logits)
         empty = z.new_empty(0)
         ctx.save_for_backward(student_hidden if need_down else empty, w_down if need_h else empty,
                               dz if dz is not None else empty, dw_up if dw_up is not None else empty)
@@ -223,26 +228,36 @@ class _FullVocabKL(torch.autograd.Function):
         if need_up:
             # returned as is when grad_output == 1, so autograd can take it as .grad without a copy
             grad_up = (dw_up if unit else dw_up * grad_output).to(up_dtype)
-        return grad_h, grad_down, grad_up, None, None, None, None, None, None
+        return grad_h, grad_down, grad_up, None, None, None, None, None, None, None
 
 
-def _check(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor, teacher_head: Tensor,
-           weights: Tensor | None) -> None:
-    """Raise ValueError on inconsistent shapes."""
-    if student_hidden.dim() != 2 or teacher_hidden.dim() != 2:
-        raise ValueError("student_hidden and teacher_hidden must be [T, d] and [T, Ht]")
+def _check(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor | None,
+           teacher_head: Tensor | None, weights: Tensor | None, teacher_logits: Tensor | None = None) -> None:
+    """Raise ValueError on inconsistent shapes, or a teacher given both ways or neither."""
+    if student_hidden.dim() != 2:
+        raise ValueError("student_hidden must be [T, d]")
     tokens, dim = student_hidden.shape
     if w_down.dim() != 2 or w_down.shape[1] != dim:
         raise ValueError(f"w_down must be [r, {dim}], got {list(w_down.shape)}")
     if w_up.dim() != 2 or w_up.shape[1] != w_down.shape[0]:
         raise ValueError(f"w_up must be [V, {w_down.shape[0]}], got {list(w_up.shape)}")
+    if weights is not None and weights.shape != (tokens,):
+        raise ValueError(f"weights must be [{tokens}], got {list(weights.shape)}")
+    if teacher_logits is not None:
+        if teacher_hidden is not None or teacher_head is not None:
+            raise ValueError("give the teacher as teacher_logits or as teacher_hidden and teacher_head, not both")
+        if teacher_logits.shape != (tokens, w_up.shape[0]):
+            raise ValueError(f"teacher_logits must be [{tokens}, {w_up.shape[0]}], got {list(teacher_logits.shape)}")
+        return
+    if teacher_hidden is None or teacher_head is None:
+        raise ValueError("give the teacher as teacher_hidden and teacher_head, or as teacher_logits")
+    if teacher_hidden.dim() != 2:
+        raise ValueError("teacher_hidden must be [T, Ht]")
     if teacher_hidden.shape[0] != tokens:
         raise ValueError(f"teacher_hidden has {teacher_hidden.shape[0]} tokens, student_hidden {tokens}")
     if teacher_head.dim() != 2 or teacher_head.shape != (w_up.shape[0], teacher_hidden.shape[1]):
         raise ValueError(f"teacher_head must be [{w_up.shape[0]}, {teacher_hidden.shape[1]}], "
                          f"got {list(teacher_head.shape)}")
-    if weights is not None and weights.shape != (tokens,):
-        raise ValueError(f"weights must be [{tokens}], got {list(weights.shape)}")
 
 
 def _token_coefficients(weights: Tensor | None, tokens: int, dtype: torch.dtype, device: torch.device
@@ -257,9 +272,10 @@ def _token_coefficients(weights: Tensor | None, tokens: int, dtype: torch.dtype,
     return (coef, None) if keep.numel() == tokens else (coef[keep], keep)
 
 
-def full_vocab_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor,
-                  teacher_head: Tensor, *, chunk_size: int | None = None, token_chunk: int | None = None,
-                  weights: Tensor | None = None, matmul_dtype: torch.dtype | None = None) -> Tensor:
+def full_vocab_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor | None = None,
+                  teacher_head: Tensor | None = None, *, chunk_size: int | None = None, token_chunk: int | None = None,
+                  weights: Tensor | None = None, matmul_dtype: torch.dtype | None = None,
+                  teacher_logits: Tensor | None = None) -> Tensor:
     """Mean over tokens of KL(p || q), p = softmax(teacher_hidden @ teacher_head.T), q = softmax(h W_down^T W_up^T).
 
     Shapes: student_hidden [T, d], w_down [r, d], w_up [V, r], teacher_hidden [T, Ht], teacher_head [V, Ht].
@@ -274,15 +290,23 @@ def full_vocab_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_
     the softmaxes, the KL and every sum still in the compute dtype: faster where bf16 matmuls are (a whole
     training step 1.65x on a 2-core AMD EPYC, ``scripts/bench.py --only train-step``), at bf16's rounding of the
     logits (|error| <= |logit| / 256). The elementwise passes run fused by ``torch.compile`` (see ``_fused``).
+    ``teacher_logits`` [T, V] instead of ``teacher_hidden`` and ``teacher_head``: the teacher's logits (or
+    log-probabilities) precomputed, e.g. once per row of a frozen-feature run that revisits each row many times
+    (:func:`slimspec.distill.teacher_table.teacher_table`); a float16 table is widened chunk by chunk.
     """
-    _check(student_hidden, w_down, w_up, teacher_hidden, teacher_head, weights)
+    _check(student_hidden, w_down, w_up, teacher_hidden, teacher_head, weights, teacher_logits)
     if chunk_size is not None and chunk_size < 1 or token_chunk is not None and token_chunk < 1:
         raise ValueError("chunk_size and token_chunk must be positive")
-    cdtype = _compute_dtype(student_hidden, w_down, w_up, teacher_hidden, teacher_head)
+    teachers = [t for t in (teacher_hidden, teacher_head, teacher_logits) if t is not None]
+    cdtype = _compute_dtype(student_hidden, w_down, w_up, *teachers)
     tokens, vocab = student_hidden.shape[0], w_up.shape[0]
     coef, keep = _token_coefficients(weights, tokens, cdtype, student_hidden.device)
     if keep is not None:  # drop zero-weight tokens up front; autograd scatters their (zero) gradient back
-        student_hidden, teacher_hidden = student_hidden[keep], teacher_hidden[keep]
+        student_hidden = student_hidden[keep]
+        if teacher_logits is None:
+            teacher_hidden = teacher_hidden[keep]
+        else:
+            teacher_logits = teacher_logits[keep]
         tokens = keep.numel()
     if tokens == 0:
         return (student_hidden.sum() * 0 + (w_down.sum() + w_up.sum()) * 0).to(cdtype)
@@ -291,10 +315,11 @@ def full_vocab_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (student_hidden, w_down, w_up))
     if needs_grad:
         return _FullVocabKL.apply(student_hidden, w_down, w_up, teacher_hidden, teacher_head, coef, chunk, tchunk,
-                                  matmul_dtype)
+                                  matmul_dtype, teacher_logits)
     with torch.no_grad():
         z = student_hidden.to(cdtype) @ w_down.to(cdtype).T
-        return _chunked_kl(z, w_up, teacher_hidden, teacher_head, coef, chunk, tchunk, False, False, matmul_dtype)[0]
+        return _chunked_kl(z, w_up, teacher_hidden, teacher_head, coef, chunk, tchunk, False, False, matmul_dtype,
+                           teacher_logits)[0]
 
 
 def naive_full_vocab_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor,

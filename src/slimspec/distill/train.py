@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from slimspec.distill.loss import full_vocab_kl
 from slimspec.distill.teacher import TeacherData
+from slimspec.distill.teacher_table import table_dtype, teacher_table
 from slimspec.errors import SlimSpecError
 from slimspec.model import Eagle3Drafter, LowRankHead
 
@@ -305,7 +306,8 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
              teacher: TeacherData, teacher_head: torch.Tensor, decay: float, global_weight: torch.Tensor | None = None,
              kind: str = "target", source: torch.Tensor | None = None,
              matmul_dtype: torch.dtype | None = None,
-             teacher_temperature: float = 1.0) -> tuple[torch.Tensor, list[float]]:
+             teacher_temperature: float = 1.0,
+             teacher_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """Loss = sum_i decay^i * KL_i (KL_i the weighted mean over tokens) and the per-step KLs.
 
     ``global_weight`` [k] (the weight sums over all ranks) makes the per-rank losses add up to the global one.
@@ -314,6 +316,8 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
     ``matmul_dtype``: see :func:`full_vocab_kl` (bf16 training).
     ``teacher_temperature``: the teacher is softmax(logits / T) (T < 1 sharpens it toward its argmax, the token a
     greedy verifier accepts); scaling the teacher's rows by 1/T scales its logits exactly (a bias column too).
+    ``teacher_logits`` [B, k, V]: the teacher's log-probabilities of these rows, already at ``teacher_temperature``
+    (rows of a :func:`slimspec.distill.teacher_table.teacher_table`); ``teacher_head`` is then not used.
     """
     down, up = head_factors(drafter)
     total = hidden.new_zeros(())
@@ -330,10 +334,15 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
             total = total + 0.0 * (up.sum() + down.sum())  # keep every rank's graph the same shape
             continue
         keep = w > 0  # zero-weight rows (prompt positions) add nothing: skip their head and teacher matmuls
-        th = teacher_hidden(hidden[keep, i], teacher_index[keep, i], teacher, kind, source)
-        if teacher_temperature != 1.0:
-            th = th / teacher_temperature
-        kl = full_vocab_kl(hidden[keep, i], down, up, th, teacher_head, weights=w[keep], matmul_dtype=matmul_dtype)
+        if teacher_logits is not None:
+            kl = full_vocab_kl(hidden[keep, i], down, up, weights=w[keep], matmul_dtype=matmul_dtype,
+                               teacher_logits=teacher_logits[keep, i])
+        else:
+            th = teacher_hidden(hidden[keep, i], teacher_index[keep, i], teacher, kind, source)
+            if teacher_temperature != 1.0:
+                th = th / teacher_temperature
+            kl = full_vocab_kl(hidden[keep, i], down, up, th, teacher_head, weights=w[keep],
+                               matmul_dtype=matmul_dtype)
         share = kl * (local / denominator)
         per_step.append(float(share.detach()))
         total = total + (decay ** i) * share
@@ -362,6 +371,22 @@ def evaluate_kl(drafter: Eagle3Drafter, features: StudentFeatures, teacher: Teac
     per_step = [s / w if w > 0 else float("nan") for s, w in zip(sums, weights, strict=True)]
     loss = sum((decay ** i) * v for i, v in enumerate(per_step) if not math.isnan(v))
     return loss, per_step
+
+
+def frozen_teacher_table(features: StudentFeatures, teacher: TeacherData, teacher_head: torch.Tensor, kind: str,
+                         temperature: float, progress: bool = False) -> torch.Tensor | None:
+    """The teacher's log-probabilities of every training row of a head-only run, or None where the table would
+    not fit its budget (``slimspec.distill.teacher_table``): the loss then multiplies the teacher out per step."""
+    rows, steps = features.weight.shape
+    dtype = table_dtype(rows, steps, teacher_head.shape[0])
+    if dtype is None:
+        return None
+
+    def teacher_rows(part: slice, i: int) -> torch.Tensor:
+        return teacher_hidden(features.hidden[part, i], features.teacher_index[part, i], teacher, kind)
+
+    return teacher_table(features.weight, teacher_rows, teacher_head, temperature=temperature, dtype=dtype,
+                         progress=progress)
 
 
 def _lr_at(step: int, cfg: DistillConfig) -> float:
@@ -425,6 +450,8 @@ def distill_drafter(
                                              source=source)
     train_features = None if cfg.train_backbone else student_features(drafter, teacher, train_idx, k, progress,
                                                                        all_positions=kind == "drafter")
+    table = None if train_features is None else frozen_teacher_table(train_features, teacher, teacher_head, kind,
+                                                                     cfg.teacher_temperature, progress)
     if isinstance(drafter.lm_head, LowRankHead):  # Adam moves each weight by ~lr: factors must share one scale
         from slimspec.convert.factorize import balance_factors
 
@@ -464,11 +491,13 @@ def distill_drafter(
             with torch.autocast(drafter.fc.weight.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 hidden, teacher_index, weight = _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank,
                                                                 world, frozen)
+            logits = None
         else:
             rows = torch.randint(0, train_features.hidden.shape[0], (cfg.batch_tokens,), generator=generator)
             rows = rows[rank::world]
             hidden = train_features.hidden[rows]
             teacher_index, weight = train_features.teacher_index[rows], train_features.weight[rows]
+            logits = table[rows] if table is not None else None
         global_weight = _all_reduce(weight.sum(0).double())
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, cfg) * group["scale"]
@@ -476,7 +505,8 @@ def distill_drafter(
         loss, per_step = kl_terms(drafter, hidden, teacher_index, weight, teacher, teacher_head, cfg.decay,
                                   global_weight, kind=kind, source=source,
                                   matmul_dtype=torch.bfloat16 if cfg.bf16 else None,
-                                  teacher_temperature=cfg.teacher_temperature)
+                                  teacher_temperature=cfg.teacher_temperature,
+                                  teacher_logits=logits)
         loss.backward()
         for p in params:
             if p.grad is not None:
