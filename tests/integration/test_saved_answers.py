@@ -75,6 +75,51 @@ def test_cache_rebuilt_from_saved_answers_equals_the_decoded_one(tiny_target, tm
                            cache_root=tmp_path / "c", progress=False, answers=tmp_path / "answers.jsonl.gz")
 
 
+def test_shipped_answers_of_a_key_are_read_instead_of_decoding(tiny_target, tmp_path, monkeypatch):
+    """Catches answers shipped in the package (``SHIPPED_ANSWERS``, named by cache key) being ignored (the build
+    decodes again: ~5 min of the demo on a slow CPU) or read for a cache of another key (other settings)."""
+    import slimspec.distill.teacher as teacher
+
+    prompts = [Prompt(str(i), p) for i, p in enumerate(PROMPTS)]
+    decoded = build_teacher_data(tiny_target, prompts, TeacherSettings(**COMMON), cache_root=tmp_path / "a",
+                                 progress=False)
+    key = decoded.manifest["key"]
+    save_answers(tmp_path / "shipped" / f"{key}.jsonl.gz", key, len(prompts), answers_of_cache(decoded.folder))
+    monkeypatch.setattr(teacher, "SHIPPED_ANSWERS", tmp_path / "shipped")
+    calls = _refuse_decoding(monkeypatch)
+    rebuilt = build_teacher_data(tiny_target, prompts, TeacherSettings(**COMMON), cache_root=tmp_path / "b",
+                                 progress=False)
+    assert calls == [] and rebuilt.manifest["key"] == key
+    _same(rebuilt, decoded)
+    with pytest.raises(AssertionError, match="decoded"):  # another key: no shipped answers, so it decodes
+        build_teacher_data(tiny_target, prompts, TeacherSettings(**{**COMMON, "max_new_tokens": 5}),
+                           cache_root=tmp_path / "c", progress=False)
+
+
+def test_shipped_answers_match_the_embedded_brief_recipe():
+    """Catches the shipped answers drifting from the key the demo's recipe computes for the embedded target and the
+    reference drafter (a changed setting, prompt file or cache version: the demo would silently decode again)."""
+    from slimspec import embedded
+    from slimspec.checkpoint.drafter import load_drafter
+    from slimspec.distill.pipeline import brief_distillation
+    from slimspec.distill.prompts import load_prompts
+    from slimspec.distill.teacher import SHIPPED_ANSWERS, aux_layers_for
+
+    options, _ = brief_distillation()
+    ckpt = load_drafter(embedded.reference_drafter_path())
+    target = embedded.embedded_target_path(progress=False)
+    layers = aux_layers_for(ckpt.config.aux_layer_ids, ckpt.layout, 30, None)
+    settings = options.teacher_settings(layers)
+    settings.generation_dtype = "float32"  # what convert_briefly pins for the embedded target
+    prompts = load_prompts(options.data, limit=options.num_prompts)
+    key = teacher_location(target, prompts, settings, None).key
+    path = SHIPPED_ANSWERS / f"{key}.jsonl.gz"
+    assert path.exists(), sorted(p.name for p in SHIPPED_ANSWERS.iterdir())
+    answers = load_answers(path, key)
+    assert sorted(answers) == list(range(len(prompts))) == list(range(300))
+    assert all(0 < len(a) <= options.max_new_tokens for a in answers.values())
+
+
 def test_answers_of_an_interrupted_build_resume_on_a_fresh_machine(tiny_target, tmp_path, monkeypatch):
     """Catches answers of an unfinished build read from the wrong rows of its batch files, and a build from
     partial answers that decodes the answered prompts again or skips the unanswered ones."""

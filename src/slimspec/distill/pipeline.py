@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +85,12 @@ def convert_briefly(drafter: str | Path, target: str | Path | None, rank: str | 
     """``convert`` at ``rank`` with :func:`brief_distillation`'s recipe: what ``make demo`` runs, and what the
     vLLM tests, the decode benchmark and ``scripts/rank_sweep.py`` measure. Returns the ``ConvertResult``."""
     from slimspec.convert.pipeline import convert
+    from slimspec.embedded import EMBEDDED_DRAFTER, EMBEDDED_TARGET
 
     options, config = brief_distillation(steps, teacher)
+    if str(target) == EMBEDDED_TARGET or target is None and str(drafter) == EMBEDDED_DRAFTER:
+        # float32 answers on every CPU: the key of the answers shipped for this recipe (SHIPPED_ANSWERS)
+        options = replace(options, generation_dtype="float32")
     return convert(drafter, target, rank, vocab=vocab, out=out, overwrite=overwrite, progress=progress,
                    distill_steps=config.steps, data_options=options, distill_config=config)
 

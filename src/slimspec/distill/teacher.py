@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -143,6 +144,11 @@ class TeacherLocation:
     folder: Path  # the finished cache
     work: Path  # the static engine's finished batches of an unfinished build
     num_layers: int
+
+
+SHIPPED_ANSWERS = Path(__file__).resolve().parents[1] / "data" / "answers"
+"""Saved answers shipped in the package, named by teacher cache key: a build of that very key reads them instead of
+decoding (the greedy float32 answers of the 300 calibration prompts behind the embedded target's brief recipe)."""
 
 
 def teacher_cache_root() -> Path:
@@ -280,6 +286,11 @@ def build_teacher_data(
     if settings.responses == "regenerate" and settings.engine == "static":
         from slimspec.distill.static_decode import supports
 
+        if answers is None and (shipped := SHIPPED_ANSWERS / f"{key}.jsonl.gz").exists():
+            answers = shipped  # this very cache's answers ship with slimspec (the embedded target's brief recipe)
+            if progress:
+                print(f"[slimspec] answers: shipped with slimspec ({shipped.name}); features from batched forwards",
+                      file=sys.stderr)
         known = load_answers(answers, key) if answers is not None else {}
         generator_model, tokenizer = load_target_model(target_path, dtype=getattr(torch, settings.generation_dtype))
         if supports(generator_model, settings.max_length + settings.max_new_tokens):
