@@ -10,6 +10,7 @@ import slimspec.distill.train as train
 from slimspec.distill.loss import full_vocab_kl, naive_full_vocab_kl
 from slimspec.distill.teacher_table import TABLE_BYTES_ENV, table_budget, table_dtype, teacher_table
 from slimspec.distill.train import DistillConfig, distill_drafter
+from slimspec.errors import SlimSpecError
 from slimspec.model import LowRankHead
 from tests.unit.test_full_vocab_kl import SHAPES, _case, _reference, _rel
 from tests.unit.test_teacher_union import WIDTH, _parts, _tiny_drafter
@@ -84,7 +85,7 @@ def test_table_dtype_follows_the_budget(monkeypatch):
     monkeypatch.setenv(TABLE_BYTES_ENV, "2e9")
     assert table_budget() == 2_000_000_000
     monkeypatch.setenv(TABLE_BYTES_ENV, "lots")
-    with pytest.raises(ValueError, match=TABLE_BYTES_ENV):
+    with pytest.raises(SlimSpecError, match=TABLE_BYTES_ENV):  # a user's bad input: one line, exit code 2
         table_budget()
     monkeypatch.delenv(TABLE_BYTES_ENV)
     assert table_budget() > 0

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from slimspec.errors import SlimSpecError
+
 TABLE_BYTES_ENV = "SLIMSPEC_TEACHER_TABLE_BYTES"
 """Most bytes the table may take (0: never build one). Default: a third of MemAvailable (see ``table_budget``)."""
 
@@ -40,7 +42,7 @@ def table_budget() -> int:
         try:
             return max(0, int(float(value)))
         except ValueError as error:
-            raise ValueError(f"{TABLE_BYTES_ENV} must be a number of bytes, got {value!r}") from error
+            raise SlimSpecError(f"{TABLE_BYTES_ENV} must be a number of bytes, got {value!r}") from error
     return _available_bytes() // 3
 
 
