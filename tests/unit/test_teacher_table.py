@@ -16,18 +16,21 @@ from tests.unit.test_full_vocab_kl import SHAPES, _case, _reference, _rel
 from tests.unit.test_teacher_union import WIDTH, _parts, _tiny_drafter
 
 
+@pytest.mark.parametrize("normalised", [False, True], ids=["lse", "log-probs"])
 @pytest.mark.parametrize("table", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(("tokens", "dim", "rank", "vocab", "teacher_dim", "chunk", "token_chunk"), SHAPES)
 def test_kl_from_teacher_log_probs_matches_float64_reference(tokens, dim, rank, vocab, teacher_dim, chunk,
-                                                             token_chunk, table):
+                                                             token_chunk, table, normalised):
     """Catches teacher logits sliced at the wrong token or vocab offset (partial chunks, token chunks), or weights
     applied to the wrong rows: the KL from a log-prob table equals the float64 head computation, value and
-    gradients (fp32 table ~1e-5; an fp16 table rounds log p by <= |log p| / 2048: ~1e-3)."""
+    gradients (fp32 table ~1e-5; an fp16 table rounds log p by <= |log p| / 2048: ~1e-3), whether the teacher's
+    log-sum-exp is recomputed or taken as 0 (``teacher_log_probs``, what training on a table does)."""
     h, down, up, th, head = _case(tokens, dim, rank, vocab, teacher_dim, seed=4)
     weights = torch.rand(tokens, generator=torch.Generator().manual_seed(5))
     weights[1::3] = 0.0  # zero-weight rows are dropped before the teacher rows are sliced
     log_p = torch.log_softmax(th.detach().double() @ head.detach().double().T, -1).to(table)
-    loss = full_vocab_kl(h, down, up, chunk_size=chunk, token_chunk=token_chunk, weights=weights, teacher_logits=log_p)
+    loss = full_vocab_kl(h, down, up, chunk_size=chunk, token_chunk=token_chunk, weights=weights, teacher_logits=log_p,
+                         teacher_log_probs=normalised)
     grads = torch.autograd.grad(loss, (h, down, up))
     ref_loss, ref_grads = _reference((h, down, up, th, head), weights)
     tol = 1e-5 if table == torch.float32 else 3e-3
@@ -49,6 +52,19 @@ def test_kl_needs_the_teacher_exactly_one_way():
         full_vocab_kl(h, down, up, teacher_logits=log_p[:, :49])
     naive = naive_full_vocab_kl(h.double(), down.double(), up.double(), th.double(), head.double())
     assert float(full_vocab_kl(h, down, up, teacher_logits=log_p)) == pytest.approx(float(naive), rel=1e-5)
+
+
+def test_log_probs_flag_skips_the_teacher_normalisation():
+    """Catches ``teacher_log_probs`` being ignored (the saving never happens) or applied to raw logits' callers:
+    logits shifted by a constant give the same KL when normalised here, a different one when declared log-probs."""
+    h, down, up, th, head = _case(5, 8, 3, 70, 6, seed=2)
+    log_p = torch.log_softmax(th.detach() @ head.detach().T, -1)
+    exact = float(full_vocab_kl(h, down, up, teacher_logits=log_p, teacher_log_probs=True))
+    assert float(full_vocab_kl(h, down, up, teacher_logits=log_p + 3.0)) == pytest.approx(exact, rel=1e-5)
+    skipped = float(full_vocab_kl(h, down, up, teacher_logits=log_p + 3.0, teacher_log_probs=True))
+    assert abs(skipped - exact) > 1.0  # p = e^3 x the true p: the KL is no longer the right one
+    with pytest.raises(ValueError, match="teacher_log_probs"):
+        full_vocab_kl(h, down, up, th, head, teacher_log_probs=True)
 
 
 def test_table_holds_tempered_log_probs_of_weighted_rows_only():

@@ -114,15 +114,16 @@ def _fused(fn):
 
 def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor | None, teacher_head: Tensor | None, coef: Tensor,
                 chunk_size: int, token_chunk: int, want_dz: bool, want_dw_up: bool,
-                matmul_dtype: torch.dtype | None = None,
-                teacher_logits: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                matmul_dtype: torch.dtype | None = None, teacher_logits: Tensor | None = None,
+                teacher_log_probs: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Weighted KL sum_t coef_t KL_t and, on request, its gradients w.r.t. ``z`` [T, r] and ``w_up`` [V, r].
 
     ``z`` and ``coef`` are in the compute dtype; the other inputs are cast chunk by chunk. ``matmul_dtype``
     (e.g. bfloat16): the four big matmuls (both logits, both gradients) take inputs of that dtype and their results
     are widened back to the compute dtype, in which everything else is done and accumulated.
     ``teacher_logits`` [T, V] (then ``teacher_hidden`` and ``teacher_head`` are None): the teacher's logits (or
-    log-probabilities) given, sliced chunk by chunk instead of multiplied out.
+    log-probabilities) given, sliced chunk by chunk instead of multiplied out. ``teacher_log_probs``: they are
+    normalised log-probabilities, so the teacher's log-sum-exp is 0 and its streaming pass is skipped.
     """
     cdtype = z.dtype
     mdtype = matmul_dtype or cdtype
@@ -165,11 +166,12 @@ def _chunked_kl(z: Tensor, w_up: Tensor, teacher_hidden: Tensor | None, teacher_
         for v0, v1 in bounds:
             a = mm(th_t, teacher_head[v0:v1].T) if th_t is not None else teacher_logits[t0:t1, v0:v1].to(cdtype)
             b = mm(z_m, w_up[v0:v1].T)
-            max_p, sum_p = fold(a, max_p, sum_p)
+            if not teacher_log_probs:
+                max_p, sum_p = fold(a, max_p, sum_p)
             max_q, sum_q = fold(b, max_q, sum_q)
             teacher_chunks.append(a)
             student_chunks.append(b)
-        lse_p = (max_p + sum_p.log())[:, None]
+        lse_p = z.new_zeros(n, 1) if teacher_log_probs else (max_p + sum_p.log())[:, None]
         lse_q = (max_q + sum_q.log())[:, None]
         kl_rows = z.new_zeros(n)
         dz_t = dz[t0:t1] if dz is not None else None
@@ -196,7 +198,7 @@ class _FullVocabKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor | None,
                 teacher_head: Tensor | None, coef: Tensor, chunk_size: int, token_chunk: int,
-                matmul_dtype: torch.dtype | None, teacher_logits: Tensor | None) -> Tensor:
+                matmul_dtype: torch.dtype | None, teacher_logits: Tensor | None, teacher_log_probs: bool) -> Tensor:
         need_h, need_down, need_up = ctx.needs_input_grad[:3]
         cdtype = coef.dtype
         h = student_hidden.to(cdtype)
@@ -204,7 +206,7 @@ class _FullVocabKL(torch.autograd.Function):
         z = h @ down.T
         loss, dz, dw_up = _chunked_kl(z, w_up, teacher_hidden, teacher_head, coef, chunk_size, token_chunk,
                                       want_dz=need_h or need_down, want_dw_up=need_up, matmul_dtype=matmul_dtype,
-                                      teacher_logits=teacher_logits)
+                                      teacher_logits=teacher_logits, teacher_log_probs=teacher_log_probs)
         empty = z.new_empty(0)
         ctx.save_for_backward(student_hidden if need_down else empty, w_down if need_h else empty,
                               dz if dz is not None else empty, dw_up if dw_up is not None else empty)
@@ -228,7 +230,7 @@ class _FullVocabKL(torch.autograd.Function):
         if need_up:
             # returned as is when grad_output == 1, so autograd can take it as .grad without a copy
             grad_up = (dw_up if unit else dw_up * grad_output).to(up_dtype)
-        return grad_h, grad_down, grad_up, None, None, None, None, None, None, None
+        return grad_h, grad_down, grad_up, None, None, None, None, None, None, None, None
 
 
 def _check(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor | None,
@@ -275,7 +277,7 @@ def _token_coefficients(weights: Tensor | None, tokens: int, dtype: torch.dtype,
 def full_vocab_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor | None = None,
                   teacher_head: Tensor | None = None, *, chunk_size: int | None = None, token_chunk: int | None = None,
                   weights: Tensor | None = None, matmul_dtype: torch.dtype | None = None,
-                  teacher_logits: Tensor | None = None) -> Tensor:
+                  teacher_logits: Tensor | None = None, teacher_log_probs: bool = False) -> Tensor:
     """Mean over tokens of KL(p || q), p = softmax(teacher_hidden @ teacher_head.T), q = softmax(h W_down^T W_up^T).
 
     Shapes: student_hidden [T, d], w_down [r, d], w_up [V, r], teacher_hidden [T, Ht], teacher_head [V, Ht].
@@ -293,8 +295,12 @@ def full_vocab_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_
     ``teacher_logits`` [T, V] instead of ``teacher_hidden`` and ``teacher_head``: the teacher's logits (or
     log-probabilities) precomputed, e.g. once per row of a frozen-feature run that revisits each row many times
     (:func:`slimspec.distill.teacher_table.teacher_table`); a float16 table is widened chunk by chunk.
+    ``teacher_log_probs``: ``teacher_logits`` are normalised log-probabilities (a teacher table's): the teacher's
+    log-sum-exp pass is skipped (a fp16 table's rounding then leaves p summing to 1 +- ~1e-3).
     """
     _check(student_hidden, w_down, w_up, teacher_hidden, teacher_head, weights, teacher_logits)
+    if teacher_log_probs and teacher_logits is None:
+        raise ValueError("teacher_log_probs describes teacher_logits, which were not given")
     if chunk_size is not None and chunk_size < 1 or token_chunk is not None and token_chunk < 1:
         raise ValueError("chunk_size and token_chunk must be positive")
     teachers = [t for t in (teacher_hidden, teacher_head, teacher_logits) if t is not None]
@@ -315,11 +321,11 @@ def full_vocab_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (student_hidden, w_down, w_up))
     if needs_grad:
         return _FullVocabKL.apply(student_hidden, w_down, w_up, teacher_hidden, teacher_head, coef, chunk, tchunk,
-                                  matmul_dtype, teacher_logits)
+                                  matmul_dtype, teacher_logits, teacher_log_probs)
     with torch.no_grad():
         z = student_hidden.to(cdtype) @ w_down.to(cdtype).T
         return _chunked_kl(z, w_up, teacher_hidden, teacher_head, coef, chunk, tchunk, False, False, matmul_dtype,
-                           teacher_logits)[0]
+                           teacher_logits, teacher_log_probs)[0]
 
 
 def naive_full_vocab_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor,

@@ -307,7 +307,8 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
              kind: str = "target", source: torch.Tensor | None = None,
              matmul_dtype: torch.dtype | None = None,
              teacher_temperature: float = 1.0,
-             teacher_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+             teacher_logits: torch.Tensor | None = None,
+             teacher_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """Loss = sum_i decay^i * KL_i (KL_i the weighted mean over tokens) and the per-step KLs.
 
     ``global_weight`` [k] (the weight sums over all ranks) makes the per-rank losses add up to the global one.
@@ -317,7 +318,9 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
     ``teacher_temperature``: the teacher is softmax(logits / T) (T < 1 sharpens it toward its argmax, the token a
     greedy verifier accepts); scaling the teacher's rows by 1/T scales its logits exactly (a bias column too).
     ``teacher_logits`` [B, k, V]: the teacher's log-probabilities of these rows, already at ``teacher_temperature``
-    (rows of a :func:`slimspec.distill.teacher_table.teacher_table`); ``teacher_head`` is then not used.
+    (rows of a :func:`slimspec.distill.teacher_table.teacher_table`); ``teacher_head`` is then not used. With
+    ``teacher_rows`` [B], ``teacher_logits`` is the whole table [N, k, V] and row b of the batch is its row
+    ``teacher_rows[b]``: only the rows a step keeps are copied out of it.
     """
     down, up = head_factors(drafter)
     total = hidden.new_zeros(())
@@ -335,8 +338,10 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
             continue
         keep = w > 0  # zero-weight rows (prompt positions) add nothing: skip their head and teacher matmuls
         if teacher_logits is not None:
+            # one gather of only the kept rows (from the whole table where ``teacher_rows`` names them)
+            logits = teacher_logits[keep, i] if teacher_rows is None else teacher_logits[teacher_rows[keep], i]
             kl = full_vocab_kl(hidden[keep, i], down, up, weights=w[keep], matmul_dtype=matmul_dtype,
-                               teacher_logits=teacher_logits[keep, i])
+                               teacher_logits=logits, teacher_log_probs=True)
         else:
             th = teacher_hidden(hidden[keep, i], teacher_index[keep, i], teacher, kind, source)
             if teacher_temperature != 1.0:
@@ -491,13 +496,13 @@ def distill_drafter(
             with torch.autocast(drafter.fc.weight.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 hidden, teacher_index, weight = _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank,
                                                                 world, frozen)
-            logits = None
+            logits, table_rows = None, None
         else:
             rows = torch.randint(0, train_features.hidden.shape[0], (cfg.batch_tokens,), generator=generator)
             rows = rows[rank::world]
             hidden = train_features.hidden[rows]
             teacher_index, weight = train_features.teacher_index[rows], train_features.weight[rows]
-            logits = table[rows] if table is not None else None
+            logits, table_rows = (table, rows) if table is not None else (None, None)
         global_weight = _all_reduce(weight.sum(0).double())
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, cfg) * group["scale"]
@@ -506,7 +511,7 @@ def distill_drafter(
                                   global_weight, kind=kind, source=source,
                                   matmul_dtype=torch.bfloat16 if cfg.bf16 else None,
                                   teacher_temperature=cfg.teacher_temperature,
-                                  teacher_logits=logits)
+                                  teacher_logits=logits, teacher_rows=table_rows)
         loss.backward()
         for p in params:
             if p.grad is not None:
