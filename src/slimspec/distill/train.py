@@ -502,7 +502,7 @@ def distill_drafter(
             rows = rows[rank::world]
             hidden = train_features.hidden[rows]
             teacher_index, weight = train_features.teacher_index[rows], train_features.weight[rows]
-            logits, table_rows = (table, rows) if table is not None else (None, None)
+            logits, table_rows = table, rows  # rows index the table (kl_terms gathers the kept ones)
         global_weight = _all_reduce(weight.sum(0).double())
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, cfg) * group["scale"]
