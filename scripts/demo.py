@@ -26,7 +26,7 @@ PLANE_BUDGET_S = 12 * 60
 
 def main() -> int:
     from slimspec import embedded
-    from slimspec.distill.pipeline import BRIEF_DISTILL_STEPS, BRIEF_VOCAB, brief_distillation, convert_briefly
+    from slimspec.distill.pipeline import BRIEF_DISTILL_STEPS, brief_command, brief_distillation, convert_briefly
     from slimspec.distill.teacher import load_target_model
     from slimspec.evaluate.acceptance import evaluate, load_for_eval
     from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
@@ -44,9 +44,7 @@ def main() -> int:
     drafter, note = embedded.EMBEDDED_DRAFTER, "reference EAGLE-3 drafter (trained for SmolLM2-135M-Instruct)"
     print(f"[demo] drafter: {note}", file=sys.stderr)
     options, config = brief_distillation(args.distill_steps)
-    print(f"[demo] = slimspec convert {drafter} --rank d/8 --vocab {BRIEF_VOCAB} --distill-steps {config.steps} "
-          f"--teacher {config.teacher} --lr {config.lr:g} --max-new-tokens {options.max_new_tokens} "
-          f"--generation-engine {options.engine}", file=sys.stderr)
+    print(f"[demo] = {brief_command(drafter, steps=args.distill_steps)}", file=sys.stderr)
     result = convert_briefly(drafter, target, "d/8", OUT / "smollm2-135m-eagle3-slimspec-r72",
                              steps=args.distill_steps, overwrite=True, progress=True)
     r = result.report

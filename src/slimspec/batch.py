@@ -14,7 +14,7 @@ from slimspec.errors import SlimSpecError, first_line
 
 JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "init", "distill_steps", "data",
             "num_prompts", "responses", "max_new_tokens", "overwrite", "push_to", "eval_prompts", "revision",
-            "generation_engine", "generation_dtype"}
+            "generation_engine", "generation_dtype", "target_revision"}
 SETTINGS = ("drafter", "target", "rank", "vocab", "dtype", "stitch", "init", "distill_steps", "data", "num_prompts",
             "responses", "max_new_tokens", "revision")
 
@@ -81,6 +81,8 @@ def job_fingerprint(job: dict[str, Any]) -> str:
         payload["generation_engine"] = job["generation_engine"]
     if job.get("generation_dtype", "auto") != "auto":
         payload["generation_dtype"] = job["generation_dtype"]
+    if job.get("target_revision"):
+        payload["target_revision"] = job["target_revision"]
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -119,6 +121,7 @@ def run_job(job: dict[str, Any]) -> JobResult:
                               else job["generation_dtype"])
         result = convert(str(job["drafter"]), job.get("target"), job.get("rank", "d/8"), vocab=job.get("vocab", "full"),
                          out=out, dtype=job.get("dtype"), overwrite=True, revision=job.get("revision"),
+                         target_revision=job.get("target_revision"),
                          progress=False, stitch=job.get("stitch", "target"), init=job.get("init", "auto"),
                          distill_steps=int(job.get("distill_steps", 0)), data_options=options,
                          extra_report={"batch_job": fingerprint})

@@ -18,13 +18,16 @@ def _fail(message: str) -> None:
 
 
 class SlimSpecGroup(click.Group):
-    """Turns SlimSpec errors into one line on stderr and exit code 2 (no traceback)."""
+    """Turns SlimSpec errors and bad options into one line on stderr and exit code 2 (no traceback)."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except SlimSpecError as exc:
             _fail(str(exc))
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "slimspec"
+            _fail(f"{exc.format_message()} (see {where} --help)")
         except KeyboardInterrupt:
             _fail("interrupted (nothing was written)")
 
@@ -78,8 +81,12 @@ def data_options(func):
                           "argmax (the token greedy verification accepts); the reported held-out KL stays at T=1."),
         click.option("--ttt-steps", type=int, default=3, show_default=True, help="Training-time-test unroll."),
         click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak AdamW learning rate."),
+        click.option("--warmup-steps", type=int, default=10, show_default=True,
+                     help="Linear warmup to --lr, then cosine decay to a tenth of it."),
         click.option("--batch-tokens", type=int, default=2048, show_default=True, help="Drafter positions per step."),
-        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True,
+                     help="Seed of the distillation (batch draws, held-out split) and, with --temperature > 0, "
+                          "of the sampled answers."),
         click.option("--bf16", is_flag=True,
                      help="Mixed-precision distillation: the drafter's forward under bf16 autocast and the KL's "
                           "logit/gradient matmuls in bf16 (softmax, KL and sums stay fp32). Faster where bf16 "
@@ -91,39 +98,58 @@ def data_options(func):
     return func
 
 
+def _int_list(text: str, hint: str) -> list[int]:
+    """Comma-separated integers (e.g. ``2,15,27``), or a usage error naming the option."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers such as 2,15,27, got {text!r}",
+                                 param_hint=hint) from None
+
+
 def _data_and_config(kw: dict, steps: int):
     from slimspec.distill.pipeline import DataOptions
     from slimspec.distill.train import DistillConfig
 
-    aux = [int(x) for x in kw.pop("aux_layers").split(",")] if kw.get("aux_layers") else None
+    aux = _int_list(kw.pop("aux_layers"), "--aux-layers") if kw.get("aux_layers") else None
     options = DataOptions(data=list(kw.pop("data")) or None, num_prompts=kw.pop("num_prompts"),
                           responses=kw.pop("responses"), max_new_tokens=kw.pop("max_new_tokens"),
-                          temperature=kw.pop("temperature"), aux_layers=aux, aux_convention=kw.pop("aux_convention"),
+                          temperature=(temperature := kw.pop("temperature")),
+                          seed=kw["seed"] if temperature > 0 else 0, aux_layers=aux,
+                          aux_convention=kw.pop("aux_convention"),
                           engine=kw.pop("generation_engine"),
                           generation_dtype=None if (g := kw.pop("generation_dtype")) == "auto" else g)
     cfg = DistillConfig(steps=steps, ttt_steps=kw.pop("ttt_steps"), lr=kw.pop("lr"),
-                        batch_tokens=kw.pop("batch_tokens"), seed=kw.pop("seed"), teacher=kw.pop("teacher"),
+                        warmup_steps=kw.pop("warmup_steps"), batch_tokens=kw.pop("batch_tokens"),
+                        seed=kw.pop("seed"), teacher=kw.pop("teacher"),
                         bf16=kw.pop("bf16"), teacher_temperature=kw.pop("teacher_temperature"))
     return options, cfg
 
 
+RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "overwrite", "distill_steps", "num_prompts",
+                     "push_to", "as_json", "quiet"}
+"""The convert options --rank auto honours; it refuses the others rather than ignore them."""
+
+
 @main.command()
 @click.argument("drafter")
-@click.option("--target", "-t", help="Target model the drafter serves (Hub id, folder or embedded: name).")
+@click.option("--target", "-t", help="Target model the drafter serves (Hub id, folder or embedded: name). Needed by "
+              "--vocab full, --init whitened and --distill-steps [default: the target the drafter names].")
 @click.option("--rank", "-r", default="d/8", show_default=True,
               help="d/N, an integer, energy:F (smallest r keeping share F of the head's squared singular values), "
-                   "or auto (measure nu and tau at d/4..d/32, each briefly distilled; keep the best predicted "
-                   "rho_TPS at --kappa).")
+                   "or auto (measure nu and tau at d/4..d/32, each briefly distilled with --distill-steps [60] on "
+                   "--num-prompts [64] shipped prompts; keep the best predicted rho_TPS at --kappa).")
 @click.option("--kappa", type=float, default=0.5, show_default=True,
               help="--rank auto: the head's share of a draft+verify cycle (measure it with slimspec bench --kappa).")
 @click.option("--vocab", type=click.Choice(["full", "draft"]), default="full", show_default=True,
               help="full: head over the whole target vocabulary (draft rows from the drafter, the rest from the "
                    "target's head); draft: keep the drafter's draft vocabulary and its d2t.")
 @click.option("--out", "-o", type=click.Path(path_type=Path),
-              help="Output folder [default: ./<drafter-name>-slimspec-r<r>].")
+              help="Output folder [default: ./<drafter-name>-slimspec-r<r>; --rank auto: -slimspec-auto].")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), help="Output dtype [default: the source's].")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-@click.option("--revision", help="Hub revision (branch, tag or commit) for downloads.")
+@click.option("--revision", help="Hub revision (branch, tag or commit) of the drafter.")
+@click.option("--target-revision", help="Hub revision (branch, tag or commit) of the target.")
 @click.option("--stitch", type=click.Choice(["target", "zero", "scaled"]), default="target", show_default=True,
               help="--vocab full: rows outside the draft vocab from the target's head, zeros, or the target's rows "
                    "rescaled to the drafter's row norm.")
@@ -138,8 +164,8 @@ def _data_and_config(kw: dict, steps: int):
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
 def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path | None, dtype: str | None,
-            overwrite: bool, revision: str | None, stitch: str, init: str, distill_steps: int,
-            push_to: str | None, as_json: bool, quiet: bool, kappa: float, **kw) -> None:
+            overwrite: bool, revision: str | None, target_revision: str | None, stitch: str, init: str,
+            distill_steps: int, push_to: str | None, as_json: bool, quiet: bool, kappa: float, **kw) -> None:
     """Replace DRAFTER's LM head by an SVD-initialised low-rank pair and write a vLLM-ready folder.
 
     \b
@@ -149,22 +175,31 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
     """
     from slimspec.convert.pipeline import convert as run_convert
 
+    ctx = click.get_current_context()
     options, cfg = _data_and_config(kw, distill_steps)
     if rank == "auto":
+        from slimspec.checkpoint import load_drafter
         from slimspec.convert.pipeline import ConvertResult, model_name
+        from slimspec.evaluate.acceptance import target_of
         from slimspec.evaluate.plane import convert_rank_auto
+        from slimspec.hub import resolve_model
 
-        if target is None:
-            raise click.UsageError("--rank auto needs --target")
+        fixed = [p.opts[0] for p in ctx.command.params if p.name not in RANK_AUTO_OPTIONS
+                 and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+        if fixed:
+            raise click.UsageError(f"--rank auto runs the plane's own recipe (drafter teacher, shipped calibration "
+                                   f"prompts) and takes no {', '.join(fixed)}")
+        target = target or target_of(drafter, load_drafter(resolve_model(drafter, "drafter")))
         out = out or Path(f"{model_name(drafter)}-slimspec-auto")
-        best, _ = convert_rank_auto(drafter, target, out, kappa=kappa, distill_steps=distill_steps or 60,
-                                    calibration_prompts=options.num_prompts or 64, overwrite=overwrite,
-                                    progress=not quiet)
+        best, _ = convert_rank_auto(drafter, target, out, kappa=kappa, vocab=vocab,
+                                    distill_steps=distill_steps or 60, calibration_prompts=options.num_prompts or 64,
+                                    overwrite=overwrite, progress=not quiet)
         saved = json.loads((out / "slimspec.json").read_text())
         result = ConvertResult(out=out, rank=saved["rank"], report=saved)
     else:
         result = run_convert(drafter, target, rank, vocab=vocab, out=out, dtype=dtype, overwrite=overwrite,
-                             revision=revision, progress=not quiet, stitch=stitch, init=init,
+                             revision=revision, target_revision=target_revision, progress=not quiet,
+                             stitch=stitch, init=init,
                              distill_steps=distill_steps, data_options=options, distill_config=cfg)
     report = {"out": str(result.out), **result.report}
     if push_to:
@@ -216,9 +251,11 @@ def _print_convert_report(report: dict) -> None:
 @click.option("--train-backbone", is_flag=True, help="Train the whole drafter, not only the head (with --teacher "
               "drafter the source drafter's own states stay the teacher's).")
 @click.option("--backbone-lr", type=float, help="--train-backbone: peak lr of the backbone [default: --lr].")
-@click.option("--save-every", type=int, default=0, help="Write a resumable checkpoint every M steps.")
+@click.option("--save-every", type=int, default=0, show_default=True,
+              help="Write a resumable checkpoint every M steps (0: off).")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint of an interrupted run (same options).")
-@click.option("--out", "-o", type=click.Path(path_type=Path), help="Output folder [default: CHECKPOINT-distilled].")
+@click.option("--out", "-o", type=click.Path(path_type=Path),
+              help="Output folder [default: ./<checkpoint-name>-distilled].")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @data_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
@@ -318,9 +355,10 @@ def batch(manifest: Path, continue_on_error: bool, report: Path | None) -> None:
     \b
     MANIFEST: {defaults: {target: ..., rank: d/8}, jobs: [{drafter: ..., out: ..., push_to: ...}, ...]}
     Job options: drafter, target, rank, vocab, out, dtype, stitch, init, distill_steps, data, num_prompts,
-    responses, max_new_tokens, revision, push_to, eval_prompts (measure tau on that many mt_bench prompts).
-    A job whose output already holds the same conversion is skipped; outputs are written atomically, so a
-    killed batch can simply be run again. Exit code 1 when any job failed.
+    responses, max_new_tokens, generation_engine, generation_dtype, revision (the drafter's), target_revision,
+    push_to, eval_prompts (measure tau on that many mt_bench prompts).
+    A job whose output already holds the same conversion is skipped, one holding another is replaced;
+    outputs are written atomically, so a killed batch can simply be run again. Exit code 1 when any job failed.
     """
     from slimspec.batch import run_batch
 
@@ -341,7 +379,12 @@ class BenchGroup(click.Group):
 
 @main.group(name="bench", cls=BenchGroup)
 def bench_group() -> None:
-    """Head latency (`slimspec bench [CHECKPOINT]`) and the acceptance-cost plane (`slimspec bench plane`)."""
+    """Head latency (`slimspec bench [CHECKPOINT]`) and the acceptance-cost plane (`slimspec bench plane`).
+
+    \b
+    `slimspec bench [CHECKPOINT] [--kappa] [--dtype ...] [--batch ...]` is `slimspec bench head`:
+    see `slimspec bench head --help` for its options.
+    """
 
 
 @bench_group.command(name="plane")
@@ -353,20 +396,24 @@ def bench_group() -> None:
               help="SlimSpec head vocabularies (comma separated): full (stitched target vocabulary) and/or draft "
                    "(the drafter's own; skipped if it has none).")
 @click.option("--trim-sizes", default="1024,4096", show_default=True, help="Vocabulary-trimming sizes.")
-@click.option("--distill-steps", type=int, default=60, show_default=True)
+@click.option("--distill-steps", type=int, default=60, show_default=True,
+              help="Head-only distillation steps of each SlimSpec point (the drafter teacher).")
 @click.option("--num-prompts", type=int, default=8, show_default=True, help="mt_bench prompts for tau.")
-@click.option("--max-new-tokens", type=int, default=96, show_default=True)
+@click.option("--max-new-tokens", type=int, default=96, show_default=True, help="Tokens generated per prompt.")
 @click.option("--kappa", "kappas", default="0.25,0.5,1.0", show_default=True, help="Iso-speedup curves.")
 @click.option("--calibration-prompts", type=int, default=64, show_default=True,
               help="Shipped prompts (answers regenerated) for distillation and VocabTrim counts.")
-@click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("out/plane"), show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("out/plane"), show_default=True,
+              help="Folder for the converted and trimmed drafters, plane.json, plane.md and plane.png.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_sizes: str, distill_steps: int,
                 num_prompts: int, max_new_tokens: int, kappas: str, calibration_prompts: int, out: Path,
                 as_json: bool) -> None:
     """Points (nu, rho_tau) for the full head, SlimSpec ranks and vocabulary trims; PNG + markdown table."""
     from slimspec.evaluate.plane import build_plane, plane_report
+    from slimspec.plotting import pyplot
 
+    pyplot()  # before the hour of measurements, not after
     if any(v not in ("full", "draft") for v in vocabs.split(",")):
         raise click.BadParameter(f"expected full and/or draft, got {vocabs!r}", param_hint="--vocab")
     if target is None:
@@ -399,8 +446,9 @@ def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_
 @click.option("--kappa", "with_kappa", is_flag=True,
               help="Also measure kappa (head time / rest of a draft+verify cycle) with CHECKPOINT on its target.")
 @click.option("--target", "-t", help="Target for --kappa (default: the checkpoint's).")
-@click.option("--rho-tau", type=float, help="Acceptance ratio for the predicted end-to-end speed-up.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--rho-tau", type=float, help="Acceptance ratio for the predicted end-to-end speed-up [default: the "
+              "checkpoint's recorded rho_tau (--rank auto), else 1].")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None, rank: int | None,
                   source_vocab: int | None, batches: tuple[int, ...], dtypes: tuple[str, ...], with_kappa: bool,
                   target: str | None, rho_tau: float | None, as_json: bool) -> None:
@@ -409,20 +457,26 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
 
     from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
 
+    if any(b <= 0 for b in batches):
+        raise click.BadParameter("batch sizes must be > 0", param_hint="--batch")
     if checkpoint:
         from slimspec.checkpoint import load_drafter
+        from slimspec.hub import resolve_model
 
-        ckpt = load_drafter(checkpoint)
+        folder = resolve_model(checkpoint, "drafter")
+        ckpt = load_drafter(folder)
         if not ckpt.is_lowrank:
             raise click.UsageError(f"{checkpoint} is not a SlimSpec checkpoint")
         up, down = ckpt.tensors["lm_head.weight"], ckpt.tensors["lm_head_down.weight"]
         vocab, rank, hidden = up.shape[0], down.shape[0], down.shape[1]
-        report_path = Path(checkpoint) / "slimspec.json"
+        report_path = folder / "slimspec.json"
         saved = json.loads(report_path.read_text()) if report_path.exists() else {}
         source_vocab = source_vocab or (saved.get("head_params_source", 0) // hidden or None)
         rho_tau = rho_tau or saved.get("rho_tau")
-    elif not (vocab and hidden and rank):
+    elif vocab is None or hidden is None or rank is None:
         raise click.UsageError("give a CHECKPOINT or --vocab, --hidden and --rank")
+    elif min(vocab, hidden, rank) <= 0 or (source_vocab is not None and source_vocab <= 0):
+        raise click.UsageError("--vocab, --hidden, --rank and --source-vocab must be > 0")
     names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     rows = [head_latency(vocab, hidden, rank, batch=b, dtype=names[d], source_vocab=source_vocab)
             for d in (dtypes or ("fp32",)) for b in (batches or (1, 64))]
@@ -463,11 +517,11 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
 @click.option("--dataset", default="mt_bench", show_default=True,
               help="mt_bench, humaneval, gsm8k (shipped), or a jsonl file with `turns`.")
 @click.option("--num-prompts", type=int, default=8, show_default=True, help="First N prompts (0: all).")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens generated per prompt.")
 @click.option("--draft-tokens", "-k", type=int, default=4, show_default=True, help="Draft chain length K.")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0: greedy (output identical to the target's); > 0: speculative sampling.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of speculative sampling (T > 0).")
 @click.option("--baseline", help="A second drafter measured in the same run (rho_tau = tau / tau_baseline).")
 @click.option("--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
               help="vllm: measure in a real vLLM engine (.venv-vllm, SlimSpec plugin), beside the reference decoder.")
@@ -512,6 +566,10 @@ def inspect(drafter: str, target: str | None, plot: Path | None, as_json: bool) 
     """Show DRAFTER's layout, shapes, draft vocabulary and head spectrum (energy at d/4, d/8, d/16)."""
     from slimspec.inspection import inspect_drafter
 
+    if plot is not None:
+        from slimspec.plotting import pyplot
+
+        pyplot()
     info = inspect_drafter(drafter, target, plot)
     if as_json:
         click.echo(json.dumps(info))

@@ -59,10 +59,9 @@ def inspect_drafter(drafter: str, target: str | None = None, plot: str | Path | 
 
 def plot_energy(spectra: dict[str, torch.Tensor], hidden: int, path: Path, title: str) -> Path:
     """PNG of the cumulative energy curve(s) with ranks d/4, d/8, d/16 marked."""
-    import matplotlib
+    from slimspec.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, s2 in spectra.items():

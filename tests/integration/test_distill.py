@@ -315,15 +315,22 @@ def test_drafter_teacher_recovers_the_source_head(tiny_target, tmp_path):
     assert agreement[40] > agreement[0] + 0.05, agreement
 
 
-def test_distill_cli_drafter_teacher_finds_the_source(tiny_converted, tiny_target, tmp_path):
+def test_distill_cli_drafter_teacher_finds_the_source(tiny_converted, tiny_target, tmp_path, monkeypatch):
     """Catches `distill --teacher drafter` on a conversion that ignores the recorded source drafter (its own head
-    as teacher would be a no-op with KL 0), and a plain drafter that is accepted with nothing to learn from."""
+    as teacher would be a no-op with KL 0), and a plain drafter that is accepted with nothing to learn from, or
+    refused only after its teacher data was built (hours on a large target)."""
     args = ["--steps", "3", "--num-prompts", "4", "--max-new-tokens", "8", "--teacher", "drafter", "-q"]
     result = CliRunner().invoke(main, ["distill", str(tiny_converted), "-t", str(tiny_target), "-o",
                                        str(tmp_path / "o"), *args])
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "o" / "slimspec.json").read_text())["distill"]
     assert report["config"]["teacher"] == "drafter" and report["kl_before"] > 1e-3
+    import slimspec.distill.pipeline as pipeline
+
+    def no_teacher(*args, **kwargs):
+        raise AssertionError("teacher data built before the drafter teacher was checked")
+
+    monkeypatch.setattr(pipeline, "teacher_for", no_teacher)
     plain = CliRunner().invoke(main, ["distill", str(tmp_path / "drafter"), "-t", str(tiny_target), "-o",
                                       str(tmp_path / "p"), *args])
     assert plain.exit_code == 2 and "names no source drafter" in plain.stderr

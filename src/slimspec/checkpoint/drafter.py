@@ -85,6 +85,11 @@ class DrafterCheckpoint:
         return "lm_head.weight" in self.tensors
 
     @property
+    def named_target(self) -> str | None:
+        """The target this drafter names: SlimSpec's own record, else its config's verifier/base model."""
+        return (self.raw_config.get("slimspec") or {}).get("target") or self.config.target_model
+
+    @property
     def is_lowrank(self) -> bool:
         return LOWRANK_DOWN in self.tensors
 

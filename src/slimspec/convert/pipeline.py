@@ -130,6 +130,7 @@ def convert(
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
     revision: str | None = None,
+    target_revision: str | None = None,
     progress: bool = True,
     verify_samples: int = 16,
     stitch: str = "target",
@@ -148,6 +149,9 @@ def convert(
     ``auto`` (default): whitened when distilling (it starts at about half the KL, BENCHMARKS.md), else svd.
     ``distill_steps`` > 0 then distils the pair against the target under full-vocabulary KL
     (``data``/``data_options``/``distill_config`` as for :func:`slimspec.distill`).
+    ``revision`` pins the drafter's Hub revision, ``target_revision`` the target's. Without ``target``, a
+    conversion that needs one (``--vocab full``, a whitened start, distillation) takes the target the drafter
+    names (embedded drafters: the embedded target).
     Returns the output folder, the resolved rank and the report also written to ``slimspec.json``.
     """
     from slimspec import embedded
@@ -169,11 +173,15 @@ def convert(
         ckpt = load_drafter(drafter_path)
     if target is None and embedded.is_embedded(drafter):
         target = embedded.EMBEDDED_TARGET
+    if target is None and (vocab == "full" or init == "whitened" or distill_steps > 0 or not ckpt.has_head):
+        target = ckpt.named_target
+        if target is not None:
+            stages.say(f"target {target} (named by the drafter; --target overrides)")
     target_head = None
     if target is not None:
         target = str(target)
         with stages.stage("load_target", f"reading target head {target}"):
-            target_path = resolve_model(target, "target", revision)
+            target_path = resolve_model(target, "target", target_revision)
             target_head = load_target_head(target_path)
         validate_against_target(ckpt, target_head)
     cfg = ckpt.config
@@ -220,7 +228,7 @@ def convert(
         dcfg.steps = distill_steps
         with stages.stage("distill", f"calibration ({init} init) and {distill_steps} distillation steps"):
             w_up, w_down, distill_report = init_and_distill(
-                ckpt, weight, r, w_up, w_down, d2t_out, load_target_parts(target, revision), options, dcfg, init,
+                ckpt, weight, r, w_up, w_down, d2t_out, load_target_parts(target, target_revision), options, dcfg, init,
                 progress)
     energy = float(s2[:r].sum() / s2.sum()) if float(s2.sum()) > 0 else 1.0
     source_rows = ckpt.head_weight().shape[0] if ckpt.has_head else weight.shape[0]

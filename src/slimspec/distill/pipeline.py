@@ -79,6 +79,21 @@ def brief_distillation(steps: int | None = None, teacher: str = BRIEF_TEACHER) -
     return options, DistillConfig(steps=steps, lr=lr, batch_tokens=2048, warmup_steps=5, teacher=teacher)
 
 
+def brief_command(drafter: str, rank: str = "d/8", steps: int | None = None, teacher: str = BRIEF_TEACHER) -> str:
+    """The ``slimspec convert`` command line that runs :func:`convert_briefly` (same options, same teacher data)."""
+    from slimspec.embedded import EMBEDDED_DRAFTER
+
+    options, config = brief_distillation(steps, teacher)
+    args = [f"slimspec convert {drafter} --rank {rank} --vocab {BRIEF_VOCAB}", f"--distill-steps {config.steps}",
+            f"--teacher {config.teacher}", f"--lr {config.lr:g}", f"--warmup-steps {config.warmup_steps}",
+            f"--max-new-tokens {options.max_new_tokens}", f"--generation-engine {options.engine}"]
+    if options.num_prompts is not None:
+        args.append(f"--num-prompts {options.num_prompts}")
+    if drafter == EMBEDDED_DRAFTER:
+        args.append("--generation-dtype float32")
+    return " ".join(args)
+
+
 def convert_briefly(drafter: str | Path, target: str | Path | None, rank: str | int, out: str | Path, *,
                     teacher: str = BRIEF_TEACHER, vocab: str = BRIEF_VOCAB, steps: int | None = None,
                     overwrite: bool = False, progress: bool = False):
@@ -186,10 +201,11 @@ def distill(
 ) -> tuple[Path, DistillResult]:
     """Distil a drafter folder (a SlimSpec conversion, or any EAGLE-3 drafter) against its target.
 
-    Writes ``out`` (default ``<checkpoint>-distilled``) atomically; checkpoints of the loop go to
+    Writes ``out`` (default ``./<checkpoint name>-distilled``) atomically; checkpoints of the loop go to
     ``<out>.checkpoints/`` (kept on failure, removed on success) so ``resume`` can continue.
     """
-    from slimspec import embedded
+    from slimspec.convert.pipeline import model_name
+    from slimspec.evaluate.acceptance import target_of
     from slimspec.hub import resolve_model
 
     cfg = config or DistillConfig(steps=steps)
@@ -198,14 +214,17 @@ def distill(
         options.data = data
     source = resolve_model(str(checkpoint), "drafter")
     ckpt = load_drafter(source)
-    target = target or (ckpt.raw_config.get("slimspec") or {}).get("target") or ckpt.config.target_model
-    if target is None and embedded.is_embedded(str(checkpoint)):
-        target = embedded.EMBEDDED_TARGET
-    if target is None:
-        raise SlimSpecError("--target is needed (the checkpoint names no target)")
-    out = Path(out) if out is not None else Path(f"{Path(source).name}-distilled")
+    target = target or target_of(str(checkpoint), ckpt)
+    out = Path(out) if out is not None else Path(f"{model_name(str(checkpoint))}-distilled")
     if out.resolve() != Path(source).resolve():
         check_output_free(out, overwrite)
+    teacher_ckpt = ckpt
+    if cfg.teacher == "drafter":  # the teacher is the drafter the conversion started from (checked before any work)
+        origin = (ckpt.raw_config.get("slimspec") or {}).get("source_drafter")
+        if not ckpt.is_lowrank or not origin:
+            raise SlimSpecError("--teacher drafter distils a SlimSpec conversion against the drafter it came from; "
+                                f"{checkpoint} names no source drafter (use --teacher target)")
+        teacher_ckpt = load_drafter(resolve_model(str(origin), "drafter"))
     parts = load_target_parts(str(target))
     rank, world = _world()
     if rank == 0:  # under torchrun, rank 0 builds the teacher cache and the others read it
@@ -216,13 +235,6 @@ def distill(
         teacher = teacher_for(ckpt, parts, options, False)
     drafter = drafter_model(ckpt, parts)
     checkpoints = out.parent / f"{out.name}.checkpoints"
-    teacher_ckpt = ckpt
-    if cfg.teacher == "drafter":  # the teacher is the drafter the conversion started from
-        origin = (ckpt.raw_config.get("slimspec") or {}).get("source_drafter")
-        if not ckpt.is_lowrank or not origin:
-            raise SlimSpecError("--teacher drafter distils a SlimSpec conversion against the drafter it came from; "
-                                f"{checkpoint} names no source drafter (use --teacher target)")
-        teacher_ckpt = load_drafter(resolve_model(str(origin), "drafter"))
     result = distill_drafter(drafter, teacher, distill_teacher_head(teacher_ckpt, drafter, parts, cfg.teacher), cfg,
                              checkpoint_dir=checkpoints, resume=resume, progress=progress)
     if rank == 0:

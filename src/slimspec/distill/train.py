@@ -63,6 +63,8 @@ class DistillConfig:
             raise SlimSpecError(f"--lr must be > 0, got {self.lr:g}")
         if not self.teacher_temperature > 0:
             raise SlimSpecError(f"--teacher-temperature must be > 0, got {self.teacher_temperature:g}")
+        if self.warmup_steps < 0:
+            raise SlimSpecError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
 
 
 @dataclass

@@ -21,9 +21,12 @@ def eval_prompts(dataset: str, num_prompts: int | None) -> list[str]:
         text = resources.files("slimspec").joinpath(f"data/eval/{dataset}.jsonl").read_text(encoding="utf-8")
     else:
         path = Path(dataset)
-        if not path.exists():
+        if not path.is_file():
             raise SlimSpecError(f"--dataset {dataset}: not one of {', '.join(DATASETS)} and no such file")
-        text = path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SlimSpecError(f"--dataset {dataset}: cannot read it ({exc})") from None
     try:
         rows = [json.loads(line) for line in text.split("\n") if line.strip()]
         prompts = [r["turns"][0] for r in rows]
@@ -43,7 +46,7 @@ def target_of(drafter: str, ckpt) -> str:
     embedded drafters; SlimSpecError if none."""
     from slimspec import embedded
 
-    target = (ckpt.raw_config.get("slimspec") or {}).get("target") or ckpt.config.target_model
+    target = ckpt.named_target
     if target is None and embedded.is_embedded(drafter):
         target = embedded.EMBEDDED_TARGET
     if target is None:

@@ -79,7 +79,7 @@ def build_plane(
     if base_tau is None:
         base_tau = tau_of(str(source))
     points = [PlanePoint("full head", "full", 1.0, base_tau, 1.0, vd * d, str(source))]
-    vocabs = tuple(v for v in vocabs if v == "full" or vd < ckpt.config.vocab_size)
+    vocabs = tuple(v for v in vocabs if v == "full" or vd < ckpt.config.vocab_size) or ("full",)
     for vocab in vocabs:
         for rank in ranks:
             res = convert(str(source), target, rank, vocab=vocab, overwrite=True, distill_steps=distill_steps,
@@ -123,10 +123,9 @@ def plane_table(points: list[PlanePoint], kappas: tuple[float, ...]) -> list[str
 
 def plot_plane(points: list[PlanePoint], kappas: tuple[float, ...], path: Path, title: str) -> Path:
     """PNG: points in the (nu, rho_tau) plane with break-even curves rho_TPS = 1 for each kappa."""
-    import matplotlib
+    from slimspec.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -155,10 +154,11 @@ def plane_report(points: list[PlanePoint], kappas: tuple[float, ...], out_dir: P
     return {"table": table, "png": str(png), "points": [asdict(p) for p in points]}
 
 
-def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float, ranks: tuple[str, ...] = (
-        "d/4", "d/8", "d/16", "d/32"), distill_steps: int = 60, num_prompts: int = 8, max_new_tokens: int = 96,
-        calibration_prompts: int | None = 64, overwrite: bool = False, progress: bool = True
-        ) -> tuple[PlanePoint, list[PlanePoint]]:
+def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float,
+                      ranks: tuple[str, ...] = ("d/4", "d/8", "d/16", "d/32"), vocab: str = "full",
+                      distill_steps: int = 60, num_prompts: int = 8, max_new_tokens: int = 96,
+                      calibration_prompts: int | None = 64, overwrite: bool = False, progress: bool = True
+                      ) -> tuple[PlanePoint, list[PlanePoint]]:
     """``--rank auto``: measure nu(r) and rho_tau(r) for each candidate rank (each briefly distilled) and keep
     the one with the highest predicted rho_TPS at ``kappa``. The paper leaves r manual; this is ours."""
     import shutil
@@ -168,12 +168,14 @@ def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float, ran
 
     check_output_free(out, overwrite)
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
-        points = build_plane(drafter, target, Path(tmp), ranks=ranks, trim_sizes=(), distill_steps=distill_steps,
+        points = build_plane(drafter, target, Path(tmp), ranks=ranks, vocabs=(vocab,), trim_sizes=(),
+                             distill_steps=distill_steps,
                              num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                              calibration_prompts=calibration_prompts, progress=progress)
         best = best_rank(points, kappa)
         report_path = Path(best.folder) / "slimspec.json"
         report = json.loads(report_path.read_text())
+        report["rho_tau"] = best.rho_tau  # read by `slimspec bench --kappa`
         report["rank_auto"] = {"kappa": kappa, "chosen": best.name, "points": [asdict(p) for p in points],
                                "predicted_rho_tps": {p.name: predicted_speedup(p.rho_tau, p.nu, kappa)
                                                      for p in points}}

@@ -1,0 +1,120 @@
+"""CLI options that route to the right place: revisions, the target a drafter names, the demo's command line,
+and bad values that must end in one clean line (exit code 2) before any work starts."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from slimspec.cli import main
+from tests.layouts import Spec, write_drafter, write_target
+
+
+def _one_line_failure(result, needle: str) -> None:
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["convert", "embedded:smollm2-135m-eagle3", "--aux-layers", "2,,3"], "--aux-layers"),
+    (["distill", "embedded:smollm2-135m-eagle3", "--aux-layers", "two"], "--aux-layers"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--rank", "auto", "--stitch", "zero", "--lr", "1e-3"],
+     "takes no --stitch, --lr"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--warmup-steps", "-1", "--distill-steps", "2"],
+     "--warmup-steps must be >= 0"),
+    (["bench", "--vocab", "100", "--hidden", "16", "--rank", "0"], "must be > 0"),
+    (["bench", "--vocab", "100", "--hidden", "16", "--rank", "-3"], "must be > 0"),
+    (["bench", "--vocab", "100", "--hidden", "16", "--rank", "4", "--batch", "0"], "--batch"),
+    (["convert"], "Missing argument 'DRAFTER'"),
+])
+def test_bad_option_values_fail_in_one_line(args, needle, tmp_path, monkeypatch):
+    """Catches option values that reached the library as a ValueError/RuntimeError traceback (exit code 1), options
+    --rank auto silently ignored, and click's multi-line usage errors (the README promises one line)."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, args)
+    _one_line_failure(result, needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_dataset_that_is_a_folder(tmp_path):
+    """Catches an IsADirectoryError traceback for --dataset pointing at a folder."""
+    result = CliRunner().invoke(main, ["eval", "embedded:smollm2-135m-eagle3", "--dataset", str(tmp_path)])
+    _one_line_failure(result, "no such file")
+
+
+@pytest.fixture
+def pair(tmp_path):
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    write_target(tmp_path / "t")
+    return tmp_path / "d", tmp_path / "t"
+
+
+def test_revisions_go_to_their_own_model(pair, tmp_path, monkeypatch):
+    """Catches --revision (a drafter branch such as r512) being used to download the target too."""
+    import slimspec.hub as hub
+    from slimspec.convert.pipeline import convert
+
+    calls = []
+    real = hub.resolve_model
+
+    def recording(name, role, revision=None):
+        calls.append((str(name), role, revision))
+        return real(name, role)
+
+    monkeypatch.setattr(hub, "resolve_model", recording)
+    convert(str(pair[0]), str(pair[1]), 8, out=tmp_path / "o", revision="r1", target_revision="main", progress=False)
+    assert calls == [(str(pair[0]), "drafter", "r1"), (str(pair[1]), "target", "main")]
+
+
+def test_convert_takes_the_target_the_drafter_names(tmp_path):
+    """Catches `convert DRAFTER` failing with "--vocab full needs --target" when the drafter's config names its
+    target (distill, eval and bench plane already default to it), and the named target being fetched for a
+    conversion that does not need one."""
+    write_target(tmp_path / "t")
+    write_drafter(tmp_path / "d", "eagle", Spec(extra_config={"base_model_name_or_path": str(tmp_path / "t")}))
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--rank", "8", "-o", str(tmp_path / "o"),
+                                       "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["source"]["target"] == str(tmp_path / "t") and report["rows_from_target"] > 0
+    # --vocab draft with the drafter's own head needs no target: a named target that does not exist is not read
+    write_drafter(tmp_path / "d2", "eagle", Spec(extra_config={"base_model_name_or_path": str(tmp_path / "gone")}))
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "d2"), "--rank", "8", "--vocab", "draft", "-o",
+                                       str(tmp_path / "o2"), "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["source"]["target"] is None
+
+
+def test_demo_command_line_is_the_demo_recipe(monkeypatch, tmp_path):
+    """Catches the command the demo prints (and the README copies) drifting from what the demo runs: another
+    answer dtype (bf16 on CPUs with native bf16) gives another teacher cache key than the shipped answers',
+    another warmup other numbers. Both paths stop at `convert` and must hand it the same options."""
+    import shlex
+
+    import slimspec.convert.pipeline as pipeline
+    from slimspec.distill.pipeline import brief_command, convert_briefly
+    from slimspec.embedded import EMBEDDED_DRAFTER, EMBEDDED_TARGET
+
+    seen = []
+
+    def capture(drafter, target, rank, **kw):
+        seen.append({"drafter": str(drafter), "target": target, "rank": str(rank), "vocab": kw["vocab"],
+                     "steps": kw["distill_steps"], "options": kw["data_options"], "config": kw["distill_config"]})
+        return pipeline.ConvertResult(out=tmp_path, rank=72, report={})
+
+    monkeypatch.setattr(pipeline, "convert", capture)
+    convert_briefly(EMBEDDED_DRAFTER, EMBEDDED_TARGET, "d/8", tmp_path / "o")
+    command = brief_command(EMBEDDED_DRAFTER)
+    assert "--generation-dtype float32" in command
+    result = CliRunner().invoke(main, shlex.split(command)[1:] + ["--target", EMBEDDED_TARGET])
+    assert result.exit_code != 2, result.output  # the capture returns no report to print; parsing must pass
+    assert len(seen) == 2
+    ran, printed = seen
+    assert printed["options"].teacher_settings([1, 2, 3]) == ran["options"].teacher_settings([1, 2, 3])
+    assert printed["options"].num_prompts == ran["options"].num_prompts
+    assert printed["config"] == ran["config"]
+    assert {k: printed[k] for k in ("drafter", "target", "rank", "vocab", "steps")} == \
+        {k: ran[k] for k in ("drafter", "target", "rank", "vocab", "steps")}
