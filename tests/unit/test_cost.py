@@ -13,10 +13,13 @@ def test_flop_floor_matches_paper():
 
 
 def test_predicted_speedup():
-    """rho_TPS = rho_tau (1 + kappa) / (1 + nu kappa): the paper's Llama numbers give ~+8 %."""
-    assert predicted_speedup(1.0, 1.0, 0.7) == pytest.approx(1.0)
-    assert predicted_speedup(0.99, 0.21, 0.85) == pytest.approx(0.99 * 1.85 / (1 + 0.21 * 0.85))
-    assert predicted_speedup(1.0, 0.5, 0.0) == 1.0
+    """rho_TPS = rho_tau (1 + kappa) / (1 + nu kappa) (DESIGN.md section 7), checked on hand-computed values:
+    catches a swapped nu/kappa or a missing rho_tau factor."""
+    assert predicted_speedup(1.0, 1.0, 0.7) == pytest.approx(1.0)  # an equally fast head changes nothing
+    assert predicted_speedup(0.9, 1.0, 3.0) == pytest.approx(0.9)  # ... whatever kappa: only tau counts
+    assert predicted_speedup(0.99, 0.21, 0.85) == pytest.approx(1.5541, abs=1e-4)  # 1.8315 / 1.1785
+    assert predicted_speedup(1.0, 0.5, 0.0) == 1.0  # a head that costs nothing: no gain from shrinking it
+    assert predicted_speedup(0.5, 0.0, 1.0) == pytest.approx(1.0)  # a free head doubles speed, half the tau
 
 
 def test_head_latency_runs_both_heads():

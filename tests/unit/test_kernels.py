@@ -31,7 +31,12 @@ OUT_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloa
 
 
 def _triton_missing() -> bool:
-    return not kernels.triton_available()
+    """True where triton is not installed; under `make test` (SLIMSPEC_REQUIRE_VLLM=1: the full suite, which
+    installs triton) a missing triton fails the run instead of skipping every kernel test."""
+    missing = not kernels.triton_available()
+    if missing and os.environ.get("SLIMSPEC_REQUIRE_VLLM") == "1":
+        pytest.fail("triton is not installed, and make test requires the whole suite")
+    return missing
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
-pytestmark = pytest.mark.skipif(not (SHARED / "train").is_dir(), reason="needs ../shared/data (the project's data)")
+needs_shared = pytest.mark.skipif(not (SHARED / "train").is_dir(), reason="needs ../shared/data (the project's data)")
 
 
 def _script():
@@ -19,6 +19,7 @@ def _script():
     return module
 
 
+@needs_shared
 def test_mixes_nest_and_stay_off_eval(tmp_path):
     """Catches a mix that reshuffles its parent (data-scaling steps must add prompts, not swap them: v1 < v2 < v3),
     a prompt drawn twice, counts in the model card that disagree with the file, and an eval/ prompt in training."""
@@ -47,6 +48,7 @@ def _eval_texts() -> set[str]:
             for line in f.read_text().splitlines() if line.strip()}
 
 
+@needs_shared
 def test_v4_parts_cover_train_once_each_and_stay_off_eval():
     """Catches a ``rest`` part that repeats v3's prompts (the greedy answers would be counted twice), sampled halves
     that overlap or miss train/ prompts (every prompt gets exactly one sampled answer), and eval/ prompts."""
@@ -84,6 +86,7 @@ _EVALUATION = {"settings": {"dataset": "mt_bench", "num_prompts": 16, "max_new_t
                "tau": 1.7, "tokens_per_second": 20.0, "reference": {"tau": 1.7, "tokens_per_second": 20.0}}
 
 
+@needs_shared  # the card counts each mix's prompts
 def test_commands_and_card_follow_every_warm_start():
     """Catches a model card of a continued build (v4 continued again) that names only the first warm start: its
     commands must rebuild every run in order, each from the folder the one before wrote, with its own seed and
@@ -150,6 +153,7 @@ def test_gate_measures_all_first_turns_and_passes_at_the_floor(tmp_path, monkeyp
     assert seen["settings"] == {"max_new_tokens": 128, "draft_tokens": 4, "temperature": 0.0}
 
 
+@needs_shared
 def test_parts_choose_caches_and_the_card_names_them(monkeypatch):
     """Catches ``--parts`` that builds or trains on caches it was not given (a run on a fresh machine has time for
     only some), an unknown or misspelt part accepted silently, and a card whose commands omit ``--parts`` (they
