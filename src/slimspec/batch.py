@@ -97,6 +97,14 @@ def finished(out: Path, fingerprint: str) -> bool:
         return False
 
 
+def written_by_batch(out: Path) -> bool:
+    """True if ``out`` holds a conversion an earlier batch job wrote (a batch may replace those without asking)."""
+    try:
+        return "batch_job" in json.loads((out / "slimspec.json").read_text())
+    except (json.JSONDecodeError, OSError):
+        return False
+
+
 def run_job(job: dict[str, Any]) -> JobResult:
     from slimspec.convert.pipeline import convert, model_name
     from slimspec.distill.pipeline import DataOptions
@@ -120,7 +128,8 @@ def run_job(job: dict[str, Any]) -> JobResult:
                               generation_dtype=None if job.get("generation_dtype", "auto") == "auto"
                               else job["generation_dtype"])
         result = convert(str(job["drafter"]), job.get("target"), job.get("rank", "d/8"), vocab=job.get("vocab", "full"),
-                         out=out, dtype=job.get("dtype"), overwrite=True, revision=job.get("revision"),
+                         out=out, dtype=job.get("dtype"), revision=job.get("revision"),
+                         overwrite=bool(job.get("overwrite")) or written_by_batch(out),
                          target_revision=job.get("target_revision"),
                          progress=False, stitch=job.get("stitch", "target"), init=job.get("init", "auto"),
                          distill_steps=int(job.get("distill_steps", 0)), data_options=options,

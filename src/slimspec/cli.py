@@ -354,10 +354,11 @@ def batch(manifest: Path, continue_on_error: bool, report: Path | None) -> None:
 
     \b
     MANIFEST: {defaults: {target: ..., rank: d/8}, jobs: [{drafter: ..., out: ..., push_to: ...}, ...]}
-    Job options: drafter, target, rank, vocab, out, dtype, stitch, init, distill_steps, data, num_prompts,
-    responses, max_new_tokens, generation_engine, generation_dtype, revision (the drafter's), target_revision,
-    push_to, eval_prompts (measure tau on that many mt_bench prompts).
-    A job whose output already holds the same conversion is skipped, one holding another is replaced;
+    Job options: drafter, target, rank, vocab, out, overwrite, dtype, stitch, init, distill_steps, data,
+    num_prompts, responses, max_new_tokens, generation_engine, generation_dtype, revision (the drafter's),
+    target_revision, push_to, eval_prompts (measure tau on that many mt_bench prompts).
+    A job whose output already holds the same conversion is skipped, one holding another batch job's is
+    replaced (any other existing folder only with overwrite: true; never the drafter's own);
     outputs are written atomically, so a killed batch can simply be run again. Exit code 1 when any job failed.
     """
     from slimspec.batch import run_batch

@@ -89,6 +89,21 @@ class DrafterCheckpoint:
         """The target this drafter names: SlimSpec's own record, else its config's verifier/base model."""
         return (self.raw_config.get("slimspec") or {}).get("target") or self.config.target_model
 
+    def recorded(self, key: str) -> Any:
+        """A value SlimSpec recorded in this checkpoint's config (``"slimspec"`` section), or None."""
+        return (self.raw_config.get("slimspec") or {}).get(key)
+
+    @property
+    def aux_convention(self) -> str:
+        """How this drafter's aux layer ids count: ``output`` (SpecForge/ModelOpt configs: the layer that produced
+        the state) or ``input`` (the layer it enters). A conversion keeps its source's ids and so its convention."""
+        meta = self.raw_config.get("slimspec") or {}
+        written = meta.get("aux_convention") or self.raw_config.get("aux_convention")
+        if written in ("input", "output"):
+            return written
+        layout = meta.get("source_layout", self.layout) if self.layout == "slimspec" else self.layout
+        return "output" if layout in ("specforge", "modelopt") else "input"
+
     @property
     def is_lowrank(self) -> bool:
         return LOWRANK_DOWN in self.tensors
@@ -199,9 +214,9 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
     if draft_vocab is None:
         head = tensors.get("lm_head.weight")
         draft_vocab = head.shape[0] if head is not None else vocab
-    model_type = str(layer.get("model_type") or "llama")
-    if "midlayer.self_attn.q_norm.weight" in tensors:
-        model_type = "qwen3"
+    # the layer's tensors decide its style (vLLM serves a Llama- or a Qwen3-style layer): a config's model_type
+    # of qwen3 without q_norm, or mistral/qwen2, describes the target rather than this layer
+    model_type = "qwen3" if "midlayer.self_attn.q_norm.weight" in tensors else "llama"
 
     def flag(key: str, default: bool) -> bool:
         for source in (raw, eagle_cfg, layer):
@@ -306,6 +321,9 @@ def load_drafter(folder: str | Path) -> DrafterCheckpoint:
     dropped: list[str] = []
     for name in files:
         canon = _canonical_name(name)
+        if canon is None and name.endswith(".bias") and any(p in name for p in LAYER_PREFIXES):
+            raise CheckpointError(f"{folder}: layer tensor {name!r}: a decoder layer with biases (e.g. Qwen2-style "
+                                  "attention) is not supported; only Llama- and Qwen3-style EAGLE-3 layers are")
         if canon is None:
             dropped.append(name)
         elif canon in mapping:

@@ -64,17 +64,29 @@ def _open_safetensors(path: Path):
         raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({exc})") from None
 
 
-_BIN_CACHE: dict[Path, dict[str, torch.Tensor]] = {}
+_BIN_CACHE: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def _file_identity(path: Path) -> tuple:
+    """Path, inode, size and modification time: a file rewritten in place is another file."""
+    st = path.stat()
+    return (path.resolve(), st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     """Load a pickle checkpoint with weights_only=True: a pickle must never run code."""
-    if path in _BIN_CACHE:
-        return _BIN_CACHE[path]
     if not path.exists():
         raise CheckpointError(f"{path.parent}: missing weight file {path.name}")
+    key = _file_identity(path)
+    if key in _BIN_CACHE:
+        return _BIN_CACHE[key]
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:  # files saved before torch 1.6's zip format cannot be memory-mapped
+            if "mmap" not in str(exc):
+                raise
+            data = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
         first = first_line(exc)
         raise CheckpointError(f"{path}: cannot be loaded safely ({first})") from None
@@ -83,7 +95,7 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
         raise CheckpointError(f"{path}: not a state dict of tensors")
     _BIN_CACHE.clear()  # keep at most one .bin mapped at a time
-    _BIN_CACHE[path] = data
+    _BIN_CACHE[key] = data
     return data
 
 

@@ -54,12 +54,14 @@ def drafter_config_json(
     }
     if cfg.aux_layer_ids:
         config["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
+        config["num_aux_hidden_states"] = len(cfg.aux_layer_ids)  # vLLM assumes 3 without it
     config["slimspec"] = {"rank": rank, **slimspec_meta}
     return config
 
 
-def eagle_config_json(cfg: DrafterConfig, draft_vocab: int) -> dict[str, Any]:
-    """A flat Llama config in the EAGLE (yuhuili) layout, for drafters we write with full-rank heads."""
+def eagle_config_json(cfg: DrafterConfig, draft_vocab: int, aux_convention: str = "input") -> dict[str, Any]:
+    """A flat Llama config in the EAGLE (yuhuili) layout, for drafters we write with full-rank heads
+    (``aux_convention`` ``output``: the ids were a SpecForge/ModelOpt source's and keep its meaning)."""
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"], "model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
@@ -72,6 +74,9 @@ def eagle_config_json(cfg: DrafterConfig, draft_vocab: int) -> dict[str, Any]:
     }
     if cfg.aux_layer_ids:
         config["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
+        config["num_aux_hidden_states"] = len(cfg.aux_layer_ids)
+        if aux_convention == "output":
+            config["aux_convention"] = "output"
     return config
 
 
@@ -141,6 +146,16 @@ def check_output_free(out: Path, overwrite: bool) -> None:
         raise SlimSpecError(f"{out} exists and is not a folder")
 
 
+def remove_stale_temps(parent: Path, name: str) -> None:
+    """Remove ``parent/.{name}.tmp-PID`` folders whose process is gone (left by a killed run)."""
+    if not parent.is_dir():
+        return
+    for stale in parent.glob(f".{name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_folder(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces ``out``, on failure it is removed.
@@ -149,10 +164,7 @@ def atomic_folder(out: Path, overwrite: bool) -> Iterator[Path]:
     """
     check_output_free(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed run (its process is gone)
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(stale, ignore_errors=True)
+    remove_stale_temps(out.parent, out.name)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

@@ -104,6 +104,19 @@ def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: Voc
     return weight, head.shape[0]
 
 
+def _not_the_source(out: Path, source: Path) -> None:
+    """Refuse an output folder that is the drafter's own (``--overwrite`` would replace the source)."""
+    if out.resolve() == Path(source).resolve():
+        raise SlimSpecError(f"--out {out} is the drafter's own folder: write the conversion elsewhere")
+
+
+def _portable(model: str) -> str:
+    """A model argument as later commands must resolve it: local folders absolute (distill or eval may run from
+    another folder), Hub ids and ``embedded:`` names as given."""
+    path = Path(model)
+    return str(path.resolve()) if path.is_dir() else model
+
+
 def _versions() -> dict[str, str]:
     import safetensors
 
@@ -171,6 +184,8 @@ def convert(
     with stages.stage("load_drafter", f"reading drafter {drafter}"):
         drafter_path = resolve_model(drafter, "drafter", revision)
         ckpt = load_drafter(drafter_path)
+    if out is not None:
+        _not_the_source(Path(out), drafter_path)
     if target is None and embedded.is_embedded(drafter):
         target = embedded.EMBEDDED_TARGET
     if target is None and (vocab == "full" or init == "whitened" or distill_steps > 0 or not ckpt.has_head):
@@ -195,6 +210,7 @@ def convert(
     if out is None and r is not None:
         out = Path(f"{model_name(drafter)}-slimspec-r{r}")
         check_output_free(out, overwrite)
+        _not_the_source(out, drafter_path)
     with stages.stage("gram", f"Gram matrix of the {weight.shape[0]}x{hidden} head"):
         gram = gram_matrix(weight)
     with stages.stage("spectrum", "singular values"):
@@ -277,8 +293,13 @@ def convert(
     if distill_report is not None:
         report.update(distill_report)
     report.update(extra_report or {})
-    meta = {"version": report["versions"]["slimspec"], "vocab_mode": vocab, "source_drafter": drafter,
-            "source_layout": ckpt.layout, "target": target}
+    meta = {"version": report["versions"]["slimspec"], "vocab_mode": vocab, "source_drafter": _portable(drafter),
+            "source_layout": ckpt.layout, "aux_convention": ckpt.aux_convention,
+            "target": _portable(target) if target is not None else None}
+    if revision:
+        meta["source_revision"] = revision
+    if target_revision:
+        meta["target_revision"] = target_revision
     config = drafter_config_json(cfg, rank=r, head_vocab=head_vocab, dtype=out_dtype, slimspec_meta=meta)
 
     with atomic_folder(out, overwrite) as tmp:

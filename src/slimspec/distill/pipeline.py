@@ -130,8 +130,9 @@ def load_target_parts(target: str, revision: str | None = None) -> TargetParts:
 
 def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptions, progress: bool) -> TeacherData:
     """Teacher data for a drafter (its aux layers, in the convention of its layout unless overridden)."""
+    convention = options.aux_convention or (None if options.aux_layers else ckpt.aux_convention)
     layers = aux_layers_for(options.aux_layers or ckpt.config.aux_layer_ids, ckpt.layout if not options.aux_layers
-                            else "override", target.num_layers, options.aux_convention)
+                            else "override", target.num_layers, convention)
     settings = options.teacher_settings(layers)
     prompts = load_prompts(options.data, limit=options.num_prompts)
     return build_teacher_data(target.path, prompts, settings, progress=progress,
@@ -214,6 +215,7 @@ def distill(
         options.data = data
     source = resolve_model(str(checkpoint), "drafter")
     ckpt = load_drafter(source)
+    target_revision = None if target else ckpt.recorded("target_revision")  # the one it was converted against
     target = target or target_of(str(checkpoint), ckpt)
     out = Path(out) if out is not None else Path(f"{model_name(str(checkpoint))}-distilled")
     if out.resolve() != Path(source).resolve():
@@ -224,8 +226,8 @@ def distill(
         if not ckpt.is_lowrank or not origin:
             raise SlimSpecError("--teacher drafter distils a SlimSpec conversion against the drafter it came from; "
                                 f"{checkpoint} names no source drafter (use --teacher target)")
-        teacher_ckpt = load_drafter(resolve_model(str(origin), "drafter"))
-    parts = load_target_parts(str(target))
+        teacher_ckpt = load_drafter(resolve_model(str(origin), "drafter", ckpt.recorded("source_revision")))
+    parts = load_target_parts(str(target), target_revision)
     rank, world = _world()
     if rank == 0:  # under torchrun, rank 0 builds the teacher cache and the others read it
         teacher = teacher_for(ckpt, parts, options, progress)

@@ -350,6 +350,9 @@ def _write_teacher_folder(target_path: Path, root: Path, key: str, folder: Path,
     dtype) appended sequence by sequence, so neither writing nor reading them needs the data in RAM; the token
     ids and loss mask (9 bytes a token) go to ``tokens.safetensors``.
     """
+    from slimspec.checkpoint.writer import remove_stale_temps
+
+    remove_stale_temps(root, key)  # a killed build's full-size rows would otherwise stay forever
     tmp = root / f".{key}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -62,9 +62,10 @@ def load_for_eval(drafter: str, target: str | None):
     from slimspec.hub import resolve_model
 
     ckpt = load_drafter(resolve_model(drafter, "drafter"))
+    revision = None if target else ckpt.recorded("target_revision")
     target = target or target_of(drafter, ckpt)
-    parts = load_target_parts(target)
-    layers = aux_layers_for(ckpt.config.aux_layer_ids, ckpt.layout, parts.num_layers)
+    parts = load_target_parts(target, revision)
+    layers = aux_layers_for(ckpt.config.aux_layer_ids, ckpt.layout, parts.num_layers, ckpt.aux_convention)
     return drafter_model(ckpt, parts), layers, parts, target
 
 

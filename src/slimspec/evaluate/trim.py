@@ -40,7 +40,7 @@ def write_trimmed(ckpt: DrafterCheckpoint, keep: torch.Tensor, out: Path) -> Pat
     t2d = torch.zeros(ckpt.config.vocab_size, dtype=torch.bool)
     t2d[targets] = True
     tensors["t2d"] = t2d
-    config = eagle_config_json(ckpt.config, int(keep.numel()))
+    config = eagle_config_json(ckpt.config, int(keep.numel()), ckpt.aux_convention)
     with atomic_folder(Path(out), overwrite=True) as tmp:
         torch.save({k: v.contiguous().clone() for k, v in tensors.items()}, tmp / "pytorch_model.bin")
         write_json(tmp / "config.json", config)

@@ -1,0 +1,143 @@
+"""What a conversion carries to later commands, and what no command may destroy or misread (review, session 38)."""
+
+import json
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import slimspec
+from slimspec.checkpoint import load_drafter
+from slimspec.checkpoint.files import _load_bin
+from slimspec.checkpoint.writer import remove_stale_temps
+from slimspec.cli import main
+from slimspec.distill.teacher import aux_layers_for
+from slimspec.errors import CheckpointError, SlimSpecError
+from tests.layouts import Spec, write_drafter, write_target
+
+LAYERS = 8  # write_target's default
+
+
+def _features(folder) -> tuple:
+    ckpt = load_drafter(folder)
+    return aux_layers_for(ckpt.config.aux_layer_ids, ckpt.layout, LAYERS, ckpt.aux_convention)
+
+
+@pytest.mark.parametrize("layout", ["specforge", "speculators"])
+def test_conversion_reads_the_same_target_layers_as_its_source(tmp_path, layout):
+    """Catches a conversion of a SpecForge drafter (ids count the layer that *produced* a state) that reloads as
+    layout slimspec and is then read in the other convention: distill, eval and the trim baselines would feed it
+    the states one layer lower than its source. Also the vLLM config must say how many aux states there are."""
+    from slimspec.evaluate.trim import write_trimmed
+
+    write_drafter(tmp_path / "d", layout, Spec())
+    write_target(tmp_path / "t")
+    source = _features(tmp_path / "d")
+    expected = {"specforge": (2, 4, 5), "speculators": (2, 4, 5)}[layout]  # ids [1, 3, 4] + 1 / [2, 4, 5] as is
+    assert source == expected
+    out = slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 8, vocab="draft", out=tmp_path / "o",
+                           progress=False).out
+    assert _features(out) == source
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_aux_hidden_states"] == 3
+    ckpt = load_drafter(tmp_path / "d")
+    trimmed = write_trimmed(ckpt, torch.arange(40), tmp_path / "trim")
+    assert _features(trimmed) == source
+
+
+def test_output_folder_is_never_the_source(tmp_path):
+    """Catches `convert DRAFTER -o DRAFTER --overwrite` (or a batch job with out = drafter) replacing the source
+    drafter by its conversion."""
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    write_target(tmp_path / "t")
+    before = sorted(p.name for p in (tmp_path / "d").iterdir())
+    with pytest.raises(SlimSpecError, match="drafter's own folder"):
+        slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "d", overwrite=True,
+                         progress=False)
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == before
+    load_drafter(tmp_path / "d")  # still the source
+
+
+def test_batch_replaces_only_its_own_outputs(tmp_path):
+    """Catches a batch that replaces any existing folder named as a job's out (its `overwrite` key ignored)."""
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    write_target(tmp_path / "t")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("mine")
+    jobs = [{"drafter": str(tmp_path / "d"), "target": str(tmp_path / "t"), "rank": 8, "out": str(tmp_path / "mine"),
+             "name": "foreign"},
+            {"drafter": str(tmp_path / "d"), "target": str(tmp_path / "t"), "rank": 8, "out": str(tmp_path / "d"),
+             "name": "source", "overwrite": True}]
+    manifest = tmp_path / "jobs.json"
+    manifest.write_text(json.dumps({"jobs": jobs}))
+    report = tmp_path / "report.jsonl"
+    result = CliRunner().invoke(main, ["batch", str(manifest), "--continue-on-error", "--report", str(report)])
+    rows = {r["job"]: r for r in map(json.loads, report.read_text().splitlines())}
+    assert result.exit_code == 1
+    assert rows["foreign"]["status"] == "failed" and "already exists" in rows["foreign"]["error"]
+    assert (tmp_path / "mine" / "keep.txt").read_text() == "mine"
+    assert rows["source"]["status"] == "failed" and "drafter's own folder" in rows["source"]["error"]
+    load_drafter(tmp_path / "d")
+    jobs[0]["overwrite"] = True  # asked for: replaced; a changed rank then replaces the batch's own output
+    manifest.write_text(json.dumps({"jobs": jobs[:1]}))
+    assert CliRunner().invoke(main, ["batch", str(manifest)]).exit_code == 0
+    assert not (tmp_path / "mine" / "keep.txt").exists() and load_drafter(tmp_path / "mine").rank == 8
+    manifest.write_text(json.dumps({"jobs": [{**jobs[0], "overwrite": False, "rank": 4}]}))
+    assert CliRunner().invoke(main, ["batch", str(manifest)]).exit_code == 0
+    assert load_drafter(tmp_path / "mine").rank == 4
+
+
+def test_conversion_records_where_its_sources_are(tmp_path, monkeypatch):
+    """Catches a relative source path recorded as typed (distill --teacher drafter and eval, run from another
+    folder, would not find the source or the target), and revisions that are not recorded."""
+    import slimspec.hub as hub
+
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    write_target(tmp_path / "t")
+    real = hub.resolve_model
+    monkeypatch.setattr(hub, "resolve_model", lambda name, role, revision=None: real(name, role))
+    monkeypatch.chdir(tmp_path)
+    out = slimspec.convert("d", "t", 8, out="o", revision="r1", target_revision="t1", progress=False).out
+    meta = json.loads((tmp_path / "o" / "config.json").read_text())["slimspec"]
+    assert meta["source_drafter"] == str(tmp_path / "d") and meta["target"] == str(tmp_path / "t")
+    assert meta["source_revision"] == "r1" and meta["target_revision"] == "t1"
+    assert load_drafter(out).recorded("target_revision") == "t1"
+
+
+def test_bin_rewritten_in_place_is_read_again(tmp_path):
+    """Catches the memory-mapped .bin cache keyed on the path alone (a drafter rewritten at the same path came
+    back with its old tensors), and pre-1.6 (non-zip) .bin files refused because they cannot be mapped."""
+    path = tmp_path / "pytorch_model.bin"
+    torch.save({"w": torch.zeros(3)}, path)
+    assert torch.equal(_load_bin(path)["w"], torch.zeros(3))
+    torch.save({"w": torch.ones(4)}, path)
+    assert torch.equal(_load_bin(path)["w"], torch.ones(4))
+    torch.save({"w": torch.arange(5.0)}, path, _use_new_zipfile_serialization=False)
+    assert torch.equal(_load_bin(path)["w"], torch.arange(5.0))
+
+
+def test_killed_runs_temporary_folders_are_swept(tmp_path):
+    """Catches full-size temporary teacher folders of a killed build left forever (a rerun has another pid)."""
+    dead, live = tmp_path / ".key.tmp-999999999", tmp_path / f".key.tmp-{os.getpid()}"
+    dead.mkdir()
+    live.mkdir()
+    (tmp_path / ".other.tmp-999999999").mkdir()
+    remove_stale_temps(tmp_path, "key")
+    assert not dead.exists() and live.exists() and (tmp_path / ".other.tmp-999999999").exists()
+
+
+def test_layer_style_comes_from_the_tensors(tmp_path):
+    """Catches a config's model_type deciding the served class (mistral crashed at the end of a conversion, qwen3
+    without q_norm would pick vLLM's Qwen3 layer) and a layer with biases whose biases were silently dropped."""
+    for model_type in ("mistral", "qwen3"):
+        write_drafter(tmp_path / model_type, "specforge", Spec(extra_config={"model_type": model_type}))
+        assert load_drafter(tmp_path / model_type).config.model_type == "llama"
+    write_drafter(tmp_path / "q3", "specforge", Spec(qwen3=True))
+    assert load_drafter(tmp_path / "q3").config.model_type == "qwen3"
+    write_drafter(tmp_path / "b", "eagle", Spec())
+    tensors = torch.load(tmp_path / "b" / "pytorch_model.bin", weights_only=True)
+    tensors["midlayer.self_attn.q_proj.bias"] = torch.zeros(32)
+    torch.save(tensors, tmp_path / "b" / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="biases"):
+        load_drafter(tmp_path / "b")
