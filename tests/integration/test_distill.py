@@ -378,3 +378,40 @@ def test_drafter_teacher_with_backbone_scores_the_frozen_source(tiny_target, tmp
     kl = ((teacher_logp.exp() * (teacher_logp - student_logp)).sum(1) * w).sum() / w.sum()
     assert abs(float(kl) - result.kl_after) < 1e-3 * max(1.0, float(kl)), (float(kl), result.kl_after)
     assert result.kl_after < result.kl_before
+
+
+def test_same_shaped_target_rebuilds_the_teacher_cache(tiny_target, tmp_path):
+    """Catches a teacher cache reused for another target of the same shapes (checkpoints of one fine-tune: the key
+    names only the config and file sizes): its features must be the new target's own, and the first target's
+    come back when it is used again."""
+    import shutil
+
+    from transformers import LlamaForCausalLM
+
+    from slimspec.distill.teacher import cache_key
+
+    other = tmp_path / "other-target"
+    shutil.copytree(tiny_target, other)
+    model = LlamaForCausalLM.from_pretrained(other)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    model.save_pretrained(other)
+    prompts = [Prompt("a", "Say hi."), Prompt("b", "Count to three.")]
+    settings = TeacherSettings(max_new_tokens=6, aux_layers=(1, 2, 3))
+    assert cache_key(tiny_target, prompts, settings) == cache_key(other, prompts, settings)
+
+    def own_features(target, data):
+        model, _ = load_target_model(target)
+        seq = data.sequence(0)
+        out = model(input_ids=seq["input_ids"][None], output_hidden_states=True)
+        return seq["aux"].float(), torch.cat([out.hidden_states[i][0] for i in (1, 2, 3)], -1)
+
+    first = build_teacher_data(tiny_target, prompts, settings, cache_root=tmp_path / "c", progress=False)
+    second = build_teacher_data(other, prompts, settings, cache_root=tmp_path / "c", progress=False)
+    stored, expected = own_features(other, second)
+    assert torch.allclose(stored, expected, atol=1e-3, rtol=8e-3)
+    assert not torch.equal(second.aux, first.aux)
+    again = build_teacher_data(tiny_target, prompts, settings, cache_root=tmp_path / "c", progress=False)
+    stored, expected = own_features(tiny_target, again)
+    assert torch.allclose(stored, expected, atol=1e-3, rtol=8e-3)

@@ -29,7 +29,7 @@ def test_generation_batch_and_answers_reach_the_teacher(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "build_teacher_data", record)
     options = DataOptions(data=_prompts(tmp_path), generation_batch=256, engine="static", answers="a.jsonl.gz")
     scratch.scratch_teacher(SimpleNamespace(path=tmp_path, num_layers=30), options, progress=False)
-    ckpt = SimpleNamespace(config=SimpleNamespace(aux_layer_ids=[1, 14, 27]), layout="eagle")
+    ckpt = SimpleNamespace(config=SimpleNamespace(aux_layer_ids=[1, 14, 27]), layout="eagle", aux_convention="input")
     pipeline.teacher_for(ckpt, SimpleNamespace(path=tmp_path, num_layers=30), options, progress=False)
     assert [s.generation_batch for s, _ in seen] == [256, 256]
     assert all(s.engine == "static" for s, _ in seen)

@@ -126,6 +126,49 @@ def target_fingerprint(target_path: Path) -> str:
     return digest.hexdigest()
 
 
+TARGET_TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                     "generation_config.json", "special_tokens_map.json")
+"""Files that change what a target writes without changing its shapes (tokens, chat template, stop ids)."""
+
+
+def target_content(target_path: Path, sample: int = 1 << 16) -> str:
+    """A sample of a target's bytes: the start, middle and end of each weight file and its tokenizer/chat/generation
+    files. Same-shaped targets (checkpoints of one fine-tune, another revision) share the cache key, which names
+    only shapes; a cache records this and is rebuilt when the target it meets differs."""
+    digest = hashlib.sha256()
+    for f in sorted(target_path.glob("*.safetensors")) + sorted(target_path.glob("*.bin")):
+        size = f.stat().st_size
+        with f.open("rb") as handle:
+            for offset in sorted({0, max(0, size // 2 - sample // 2), max(0, size - sample)}):
+                handle.seek(offset)
+                digest.update(handle.read(sample))
+    for name in TARGET_TEXT_FILES:
+        if (target_path / name).exists():
+            digest.update(name.encode() + (target_path / name).read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def _claim(where: TeacherLocation, journal: Path, content: str, progress: bool) -> None:
+    """Make this key's cache and partial work this target's: those another same-shaped target left are removed.
+    Unfinished work is stamped with its target (``.KEY.target``); a finished cache's manifest records it."""
+    stamp = where.root / f".{where.key}.target"
+    manifest = where.folder / "manifest.json"
+    recorded = json.loads(manifest.read_text()).get("target_content") if manifest.exists() else None
+    if stamp.exists() and stamp.read_text() != content or recorded not in (None, content):
+        if progress:
+            print(f"[slimspec] teacher cache {where.key} was built for another target with the same shapes: "
+                  "rebuilding it", file=sys.stderr)
+        for path in (where.folder, where.work):
+            shutil.rmtree(path, ignore_errors=True)
+        journal.unlink(missing_ok=True)
+    if not manifest.exists() and (not stamp.exists() or stamp.read_text() != content):  # work about to start
+        try:
+            where.root.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(content)
+        except OSError:  # a read-only shared cache: its finished folders carry their own record
+            pass
+
+
 def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSettings) -> str:
     fields = asdict(settings)
     if fields["engine"] == "transformers" or fields["responses"] != "regenerate":  # keys as before the choice
@@ -277,12 +320,14 @@ def build_teacher_data(
     target_path = Path(target_path)
     where = teacher_location(target_path, prompts, settings, cache_root)
     key, root, folder, work, num_layers = where.key, where.root, where.folder, where.work, where.num_layers
+    journal = root / f".{key}.responses.jsonl"  # the transformers engine's finished answers
+    content = target_content(target_path)
+    _claim(where, journal, content, progress)
     if (folder / "manifest.json").exists():
         return load_teacher_data(folder)
     store = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float16 if settings.dtype == "float16" \
         else torch.float32
     root.mkdir(parents=True, exist_ok=True)
-    journal = root / f".{key}.responses.jsonl"  # the transformers engine's finished answers
     if settings.responses == "regenerate" and settings.engine == "static":
         from slimspec.distill.static_decode import supports
 
@@ -386,6 +431,7 @@ def _write_teacher_folder(target_path: Path, root: Path, key: str, folder: Path,
         save_file({"input_ids": torch.cat(ids_parts), "loss_mask": torch.cat(mask_parts)},
                   str(tmp / "tokens.safetensors"))
         manifest = {"version": CACHE_VERSION, "key": key, "target": str(target_path), "num_layers": num_layers,
+                    "target_content": target_content(target_path),
                     "settings": asdict(settings), "num_sequences": len(starts) - 1, "num_tokens": total,
                     "starts": starts, "layout": "rows", "row_dtype": str(store).removeprefix("torch."),
                     "row_widths": widths, "hidden_size": widths["final"],
@@ -394,6 +440,7 @@ def _write_teacher_folder(target_path: Path, root: Path, key: str, folder: Path,
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
+        (root / f".{key}.target").unlink(missing_ok=True)  # the manifest records the target from now on
         cleanup()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
