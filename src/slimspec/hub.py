@@ -70,6 +70,9 @@ def resolve_model(name: str, role: Role, revision: str | None = None) -> Path:
     if role == "drafter":
         return _snapshot(name, DRAFTER_PATTERNS, revision)
     if role == "model":
-        return _snapshot(name, TARGET_META_PATTERNS + ["*.safetensors"], revision)
+        folder = _snapshot(name, TARGET_META_PATTERNS + ["*.safetensors"], revision)
+        if not any(folder.glob("*.safetensors")):  # a target published as pickles only (weights_only loads them)
+            folder = _snapshot(name, TARGET_META_PATTERNS + ["pytorch_model*.bin"], revision)
+        return folder
     folder = _snapshot(name, TARGET_META_PATTERNS, revision)
     return _snapshot(name, TARGET_META_PATTERNS + target_weight_patterns(folder), revision)

@@ -82,3 +82,18 @@ def test_missing_repo_is_one_clear_error(fake_hub):
 def test_not_a_folder_nor_hub_id(name):
     with pytest.raises(CheckpointError, match="no such folder"):
         resolve_model(name, "drafter")
+
+
+def test_running_target_published_as_bin_downloads_its_weights(fake_hub):
+    """Catches a target that runs (distill, eval, whitened start) downloaded without weights when its repo holds
+    pytorch_model*.bin only: "no weights found" after the download."""
+    hub, calls = fake_hub
+    write_target(hub / "org" / "bin-target")
+    from safetensors.torch import load_file
+
+    folder = hub / "org" / "bin-target"
+    torch.save(load_file(str(folder / "model.safetensors")), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    local = resolve_model("org/bin-target", "model", revision="v1")
+    assert (local / "pytorch_model.bin").exists() and (local / "config.json").exists()
+    assert [c[2] for c in calls] == ["v1", "v1"]
