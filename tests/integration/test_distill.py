@@ -123,7 +123,8 @@ def test_convert_with_whitened_init_and_distill(tiny_converted, tiny_target, tmp
 
 def test_resume_is_bit_for_bit(tiny_converted, tiny_target, tmp_path):
     """Catches a resume that changes the data order, optimizer state or RNG: the resumed run must end
-    with exactly the same head as an uninterrupted one."""
+    with exactly the same head as an uninterrupted one; and a resume that loads another run's checkpoint (other
+    settings, other teacher data)."""
     cfg = dict(steps=6, save_every=3, batch_tokens=128, warmup_steps=2)
     full_out, full = distill(tiny_converted, str(tiny_target), out=tmp_path / "full", config=DistillConfig(**cfg),
                              data_options=FEW, progress=False)
@@ -156,6 +157,12 @@ def test_resume_is_bit_for_bit(tiny_converted, tiny_target, tmp_path):
     with pytest.raises(SlimSpecError, match="other settings"):
         distill(tiny_converted, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg, bf16=True),
                 data_options=FEW, resume=True, progress=False)
+    # nor does one on other teacher data (the saved parameters and optimizer state belong to another run)
+    from dataclasses import replace
+
+    with pytest.raises(SlimSpecError, match="other teacher data"):
+        distill(tiny_converted, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg),
+                data_options=replace(FEW, num_prompts=5), resume=True, progress=False)
     _, resumed = distill(tiny_converted, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg),
                          data_options=FEW, resume=True, progress=False)
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]

@@ -477,11 +477,15 @@ def distill_drafter(
     generator = torch.Generator().manual_seed(cfg.seed)
     history: list[dict] = []
     start_step = 0
+    run = _run_identity(teacher, teacher_head)
     if checkpoint_dir is not None and resume and (path := latest_checkpoint(checkpoint_dir)):
         state = torch.load(path, map_location="cpu", weights_only=True)
         # a field added since the checkpoint was written counts as its default (the behaviour it was written with)
         if {**asdict(DistillConfig()), **state["config"]} != asdict(cfg):
             raise SlimSpecError(f"{path}: saved with other settings; resume needs the same options")
+        if state.get("run", run) != run:  # checkpoints from before this record carry none
+            raise SlimSpecError(f"{path}: saved by a run on other teacher data or another source drafter; resume "
+                                "needs the same --data, prompts and checkpoint (or another --out)")
         with torch.no_grad():
             for p, saved in zip(params, state["params"], strict=True):
                 p.copy_(saved)
@@ -534,7 +538,7 @@ def distill_drafter(
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.4f}", kl=f"{kl0:.4f}", tok_s=f"{rate:.0f}")
         if checkpoint_dir is not None and cfg.save_every and (step + 1) % cfg.save_every == 0 and rank == 0:
-            _save_checkpoint(checkpoint_dir, step + 1, params, optimizer, generator, history, cfg)
+            _save_checkpoint(checkpoint_dir, step + 1, params, optimizer, generator, history, cfg, run)
             if keep_every > 0:
                 prune_checkpoints(checkpoint_dir, keep_every)
     bar.close()
@@ -580,11 +584,18 @@ def prune_checkpoints(folder: Path, keep_every: int) -> None:
             path.unlink(missing_ok=True)
 
 
-def _save_checkpoint(folder: Path, step: int, params, optimizer, generator, history, cfg) -> Path:
+def _run_identity(teacher: TeacherData, teacher_head: torch.Tensor) -> dict:
+    """What a resumed run must share with the one that saved the checkpoint besides its config: the teacher data
+    (cache key, sequences, tokens) and the teacher head (the source drafter's or the target's)."""
+    return {"data_key": teacher.manifest.get("key"), "sequences": len(teacher), "tokens": teacher.num_tokens,
+            "teacher_head": [list(teacher_head.shape), float(teacher_head.double().sum())]}
+
+
+def _save_checkpoint(folder: Path, step: int, params, optimizer, generator, history, cfg, run: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = _checkpoint_path(folder, step)
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
     torch.save({"step": step, "params": [p.detach().clone() for p in params], "optimizer": optimizer.state_dict(),
-                "rng": generator.get_state(), "history": history, "config": asdict(cfg)}, tmp)
+                "rng": generator.get_state(), "history": history, "config": asdict(cfg), "run": run}, tmp)
     os.replace(tmp, path)
     return path
