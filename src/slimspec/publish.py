@@ -63,8 +63,8 @@ def card_with_metadata(folder: Path, report: dict[str, Any]) -> tuple[str, dict[
     if "base_model" in metadata:
         lines.append(f"base_model: {metadata['base_model']}")
     lines += ["tags:", *[f"- {t}" for t in HUB_TAGS], "library_name: vllm", "---", ""]
-    numbers = {k: report[k] for k in ("rank", "energy_kept", "relative_frobenius_error", "head_flop_ratio")
-               if k in report}
+    numbers = {k: report[k] for k in ("rank", "energy_kept", "relative_frobenius_error", "head_flop_ratio", "tau",
+                                      "rho_tau") if k in report}
     if "distill" in report:
         numbers["kl_before_distill"] = report["distill"].get("kl_before")
         numbers["kl_after_distill"] = report["distill"].get("kl_after")

@@ -168,3 +168,14 @@ def test_revision_creates_branch(hub, converted):
     assert any("/branch/r8" in c[1] for c in hub)
     commit, _ = _committed_files(hub)
     assert "/commit/r8" in commit[1]
+
+
+def test_card_shows_the_measured_acceptance(tmp_path):
+    """Catches a card that drops the tau and rho_tau a run recorded in slimspec.json (the demo writes them)."""
+    from slimspec.publish import card_with_metadata
+
+    (tmp_path / "config.json").write_text(json.dumps({"slimspec": {"rank": 72}}))
+    card, _ = card_with_metadata(tmp_path, {"rank": 72, "tau": 1.425, "rho_tau": 0.881})
+    assert "- rank: 72\n- tau: 1.425\n- rho_tau: 0.881\n" in card
+    card, _ = card_with_metadata(tmp_path, {"rank": 72})
+    assert "rho_tau" not in card
