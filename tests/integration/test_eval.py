@@ -128,3 +128,16 @@ def test_cli_eval_json_with_baseline(tiny_converted, tiny_target, tmp_path):
         assert key in report and key in report["baseline"]
     assert report["rho_tau"] == pytest.approx(report["tau"] / report["baseline"]["tau"])
     assert report["outputs_identical_to_baseline"] is True  # both are lossless greedy decodes
+
+
+def test_sampling_with_a_16_bit_drafter_and_no_tokens_asked(tmp_path):
+    """Catches the drafter's q built in its own dtype (a bf16 drafter crashed at T > 0: float32 logits written
+    into a bf16 tensor), and max_new_tokens = 0 returning the target's first token anyway."""
+    vocab = 24
+    target = _tiny_llama(vocab, scale=6.0, seed=1)
+    drafter = _tiny_drafter(tmp_path, vocab, 16).to(torch.bfloat16)
+    decoder = SpeculativeDecoder(target, drafter, (1, 2, 3), draft_tokens=2, temperature=0.8, eos_token_id=-1,
+                                 seed=0)
+    out, stats = decoder.generate([3, 1, 4, 1, 5], 10)
+    assert len(out) == 10 and stats.new_tokens == 10 and stats.rounds > 0
+    assert decoder.generate([3, 1, 4], 0)[0] == []

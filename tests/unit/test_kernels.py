@@ -329,6 +329,21 @@ def test_triton_topk_matches_stable_sort(tlr, batch, path, dtype):
     assert torch.equal(values.double(), ref_values[:, :6])
 
 
+def test_triton_topk_nan_above_inf_like_torch(tlr):
+    """Catches a per-tile top-k that ranks NaN level with +inf (the lower index won: +inf at 3 before NaN at 20 in
+    one tile), where torch.sort, the merge and lowrank_argmax put NaN first."""
+    h, w_down = torch.ones(1, 4), torch.ones(1, 4)
+    w_up = torch.randn(40, 1, generator=torch.Generator().manual_seed(0))
+    w_up[3], w_up[20] = float("inf"), float("nan")
+    exact = _exact(h, w_down, w_up)
+    _, ref_indices = torch.sort(exact, dim=-1, descending=True, stable=True)
+    assert ref_indices[0, :2].tolist() == [20, 3]
+    cfg = tlr.TileConfig(block_b=2, block_v=64, block_r=8, use_dot=False, z_block_r=4, z_block_d=16)
+    for k in (1, 3):  # k = 1: the NaN must be the tile's one candidate (the merge cannot reorder what is missing)
+        values, indices = tlr.lowrank_topk(h, w_down, w_up, k, config=cfg)
+        assert torch.equal(indices, ref_indices[:, :k]) and values[0, 0].isnan(), (k, indices)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the -3e38 row overflows on purpose
 def test_triton_topk_small_vocab_and_large_k(tlr):
     """Catches out-of-range picks leaking when a tile has fewer valid entries than k (V = 20, BLOCK_V = 16,

@@ -63,7 +63,7 @@ def _crop(cache: KVCache | None, length: int) -> KVCache | None:
 
 def _draft_distribution(logits: Tensor, drafter: Eagle3Drafter, vocab: int, temperature: float) -> Tensor:
     """Drafter probabilities over the target vocabulary (draft tokens mapped through d2t)."""
-    full = logits.new_full((vocab,), float("-inf"))
+    full = torch.full((vocab,), float("-inf"), dtype=torch.float32, device=logits.device)  # any drafter dtype
     full[drafter.draft_to_target(torch.arange(logits.shape[-1]))] = logits.float()
     return torch.softmax(full / temperature, dim=-1)
 
@@ -101,6 +101,8 @@ class SpeculativeDecoder:
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], DecodeStats]:
         """New tokens after ``prompt_ids`` (at most ``max_new_tokens``, stopping at EOS) and their stats."""
         stats = DecodeStats(accepted_per_position=[0] * self.k)
+        if max_new_tokens <= 0:
+            return [], stats
         start = time.perf_counter()
         drafter, dtype = self.drafter, self.drafter.fc.weight.dtype
         logits, feats, tcache = self._target_step(list(prompt_ids), None)
