@@ -86,23 +86,22 @@ def job_fingerprint(job: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _batch_job(out: Path) -> str | None:
+    """The fingerprint of the batch job whose complete conversion ``out`` holds, or None."""
+    try:
+        return json.loads((out / "slimspec.json").read_text()).get("batch_job")
+    except (json.JSONDecodeError, OSError):
+        return None
+
+
 def finished(out: Path, fingerprint: str) -> bool:
     """True if ``out`` holds a complete conversion of exactly this job."""
-    report = out / "slimspec.json"
-    if not report.exists():
-        return False
-    try:
-        return json.loads(report.read_text()).get("batch_job") == fingerprint
-    except (json.JSONDecodeError, OSError):
-        return False
+    return _batch_job(out) == fingerprint
 
 
 def written_by_batch(out: Path) -> bool:
     """True if ``out`` holds a conversion an earlier batch job wrote (a batch may replace those without asking)."""
-    try:
-        return "batch_job" in json.loads((out / "slimspec.json").read_text())
-    except (json.JSONDecodeError, OSError):
-        return False
+    return _batch_job(out) is not None
 
 
 def run_job(job: dict[str, Any]) -> JobResult:

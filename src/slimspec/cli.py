@@ -178,18 +178,16 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
     ctx = click.get_current_context()
     options, cfg = _data_and_config(kw, distill_steps)
     if rank == "auto":
-        from slimspec.checkpoint import load_drafter
         from slimspec.convert.pipeline import ConvertResult, model_name
         from slimspec.evaluate.acceptance import target_of
         from slimspec.evaluate.plane import convert_rank_auto
-        from slimspec.hub import resolve_model
 
         fixed = [p.opts[0] for p in ctx.command.params if p.name not in RANK_AUTO_OPTIONS
                  and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
         if fixed:
             raise click.UsageError(f"--rank auto runs the plane's own recipe (drafter teacher, shipped calibration "
                                    f"prompts) and takes no {', '.join(fixed)}")
-        target = target or target_of(drafter, load_drafter(resolve_model(drafter, "drafter")))
+        target = target or target_of(drafter)
         out = out or Path(f"{model_name(drafter)}-slimspec-auto")
         best, _ = convert_rank_auto(drafter, target, out, kappa=kappa, vocab=vocab,
                                     distill_steps=distill_steps or 60, calibration_prompts=options.num_prompts or 64,
@@ -418,11 +416,9 @@ def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_
     if any(v not in ("full", "draft") for v in vocabs.split(",")):
         raise click.BadParameter(f"expected full and/or draft, got {vocabs!r}", param_hint="--vocab")
     if target is None:
-        from slimspec.checkpoint import load_drafter
         from slimspec.evaluate.acceptance import target_of
-        from slimspec.hub import resolve_model
 
-        target = target_of(drafter, load_drafter(resolve_model(drafter, "drafter")))
+        target = target_of(drafter)
     points = build_plane(drafter, target, out, ranks=tuple(ranks.split(",")), vocabs=tuple(vocabs.split(",")),
                          trim_sizes=tuple(int(x) for x in trim_sizes.split(",")), distill_steps=distill_steps,
                          num_prompts=num_prompts, max_new_tokens=max_new_tokens,

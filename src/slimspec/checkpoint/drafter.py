@@ -87,7 +87,7 @@ class DrafterCheckpoint:
     @property
     def named_target(self) -> str | None:
         """The target this drafter names: SlimSpec's own record, else its config's verifier/base model."""
-        return (self.raw_config.get("slimspec") or {}).get("target") or self.config.target_model
+        return self.recorded("target") or self.config.target_model
 
     def recorded(self, key: str) -> Any:
         """A value SlimSpec recorded in this checkpoint's config (``"slimspec"`` section), or None."""
@@ -97,11 +97,10 @@ class DrafterCheckpoint:
     def aux_convention(self) -> str:
         """How this drafter's aux layer ids count: ``output`` (SpecForge/ModelOpt configs: the layer that produced
         the state) or ``input`` (the layer it enters). A conversion keeps its source's ids and so its convention."""
-        meta = self.raw_config.get("slimspec") or {}
-        written = meta.get("aux_convention") or self.raw_config.get("aux_convention")
+        written = self.recorded("aux_convention") or self.raw_config.get("aux_convention")
         if written in ("input", "output"):
             return written
-        layout = meta.get("source_layout", self.layout) if self.layout == "slimspec" else self.layout
+        layout = (self.recorded("source_layout") or self.layout) if self.layout == "slimspec" else self.layout
         return "output" if layout in ("specforge", "modelopt") else "input"
 
     @property

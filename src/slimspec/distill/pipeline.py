@@ -222,7 +222,7 @@ def distill(
         check_output_free(out, overwrite)
     teacher_ckpt = ckpt
     if cfg.teacher == "drafter":  # the teacher is the drafter the conversion started from (checked before any work)
-        origin = (ckpt.raw_config.get("slimspec") or {}).get("source_drafter")
+        origin = ckpt.recorded("source_drafter")
         if not ckpt.is_lowrank or not origin:
             raise SlimSpecError("--teacher drafter distils a SlimSpec conversion against the drafter it came from; "
                                 f"{checkpoint} names no source drafter (use --teacher target)")

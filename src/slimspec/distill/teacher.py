@@ -154,14 +154,15 @@ def _claim(where: TeacherLocation, journal: Path, content: str, progress: bool) 
     stamp = where.root / f".{where.key}.target"
     manifest = where.folder / "manifest.json"
     recorded = json.loads(manifest.read_text()).get("target_content") if manifest.exists() else None
-    if stamp.exists() and stamp.read_text() != content or recorded not in (None, content):
+    stamped = stamp.read_text() if stamp.exists() else None
+    if stamped not in (None, content) or recorded not in (None, content):
         if progress:
             print(f"[slimspec] teacher cache {where.key} was built for another target with the same shapes: "
                   "rebuilding it", file=sys.stderr)
         for path in (where.folder, where.work):
             shutil.rmtree(path, ignore_errors=True)
         journal.unlink(missing_ok=True)
-    if not manifest.exists() and (not stamp.exists() or stamp.read_text() != content):  # work about to start
+    if not manifest.exists() and stamped != content:  # work about to start
         try:
             where.root.mkdir(parents=True, exist_ok=True)
             stamp.write_text(content)
@@ -344,7 +345,8 @@ def build_teacher_data(
             del generator_model
             sequences = _static_sequences(work, len(prefixes))
             return _write_teacher_folder(target_path, root, key, folder, settings, num_layers, sequences,
-                                         len(prefixes), store, progress, cleanup=lambda: shutil.rmtree(work))
+                                         len(prefixes), store, progress, content,
+                                         cleanup=lambda: shutil.rmtree(work))
         del generator_model
     model, tokenizer = load_target_model(target_path)
     sequences: list[tuple[list[int], int]] = []
@@ -383,13 +385,14 @@ def build_teacher_data(
             yield ids, split, aux, final
 
     return _write_teacher_folder(target_path, root, key, folder, settings, num_layers, with_features(), len(sequences),
-                                 store, progress, cleanup=lambda: journal.unlink(missing_ok=True))
+                                 store, progress, content, cleanup=lambda: journal.unlink(missing_ok=True))
 
 
 def _write_teacher_folder(target_path: Path, root: Path, key: str, folder: Path, settings: TeacherSettings,
                           num_layers: int, sequences, count: int, store: torch.dtype, progress: bool,
-                          cleanup) -> TeacherData:
-    """Write (ids, split, aux, final) sequences into ``folder`` (atomically), then run ``cleanup``.
+                          content: str, cleanup) -> TeacherData:
+    """Write (ids, split, aux, final) sequences into ``folder`` (atomically), then run ``cleanup``; ``content``:
+    the target's :func:`target_content`, recorded in the manifest.
 
     Layout "rows": the hidden states go to raw row files (``aux.rows``, ``final.rows``: row-major, ``store``
     dtype) appended sequence by sequence, so neither writing nor reading them needs the data in RAM; the token
@@ -431,7 +434,7 @@ def _write_teacher_folder(target_path: Path, root: Path, key: str, folder: Path,
         save_file({"input_ids": torch.cat(ids_parts), "loss_mask": torch.cat(mask_parts)},
                   str(tmp / "tokens.safetensors"))
         manifest = {"version": CACHE_VERSION, "key": key, "target": str(target_path), "num_layers": num_layers,
-                    "target_content": target_content(target_path),
+                    "target_content": content,
                     "settings": asdict(settings), "num_sequences": len(starts) - 1, "num_tokens": total,
                     "starts": starts, "layout": "rows", "row_dtype": str(store).removeprefix("torch."),
                     "row_widths": widths, "hidden_size": widths["final"],

@@ -41,10 +41,16 @@ def _stats_dict(stats: DecodeStats, num_prompts: int) -> dict[str, Any]:
             "new_tokens": stats.new_tokens, "seconds": stats.seconds}
 
 
-def target_of(drafter: str, ckpt) -> str:
+def target_of(drafter: str, ckpt=None) -> str:
     """The target a drafter names (our slimspec.json metadata or its config), or the embedded target for
-    embedded drafters; SlimSpecError if none."""
+    embedded drafters; SlimSpecError if none. ``ckpt``: the drafter, when already loaded."""
     from slimspec import embedded
+
+    if ckpt is None:
+        from slimspec.checkpoint import load_drafter
+        from slimspec.hub import resolve_model
+
+        ckpt = load_drafter(resolve_model(drafter, "drafter"))
 
     target = ckpt.named_target
     if target is None and embedded.is_embedded(drafter):

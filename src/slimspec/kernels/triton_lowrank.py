@@ -258,8 +258,7 @@ def _topk_tile_kernel(z_ptr, w_ptr, pval_ptr, pidx_ptr, B, V, R, stride_zb, stri
                        BLOCK_B, BLOCK_V, BLOCK_R, USE_DOT, SPLIT_Z, DOT_F32, IEEE)
     local = tl.arange(0, BLOCK_V)[None, :]
     valid = (offs_v < V)[None, :]
-    ordered = tl.where(acc != acc, float("inf"), acc)
-    bits = ordered.to(tl.int32, bitcast=True)
+    bits = acc.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone float -> int32 map (+inf: 0x7F800000)
     key = tl.where(acc != acc, _INT32_MAX, key)  # NaN above +inf, as torch.sort ranks it
     key = tl.where(valid, key, _INT32_MIN)
