@@ -35,7 +35,7 @@ def _write(tmp_path: Path, lengths: list[int], aux_width: int, final_width: int,
            key: str = "k") -> TeacherData:
     return _write_teacher_folder(Path("target"), tmp_path, key, tmp_path / key, TeacherSettings(), 4,
                                  _sequences(lengths, aux_width, final_width, seed), len(lengths), torch.bfloat16,
-                                 False, cleanup=lambda: None)
+                                 False, "content-sample", cleanup=lambda: None)
 
 
 def _rss_bytes() -> int:
