@@ -59,7 +59,7 @@ def main() -> int:
     lat = head_latency(r["head_vocab"], d, rank, batch=1, source_vocab=source_rows)
     model, _, parts, _ = load_for_eval(str(result.out), target)
     target_model, _ = load_target_model(parts.path)
-    kappa = measure_kappa(target_model, model)["kappa"]
+    kappa = measure_kappa(target_model, model, full_head_rows=source_rows)["kappa"]
     rho_tps = predicted_speedup(ev["rho_tau"], lat["nu"], kappa)
     rows = [
         ("", "original", "SlimSpec r=d/8"),

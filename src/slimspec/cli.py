@@ -486,7 +486,7 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
 
         drafter, _, parts, _ = load_for_eval(checkpoint, target)
         target_model, _ = load_target_model(parts.path)
-        result["kappa"] = measure = measure_kappa(target_model, drafter)
+        result["kappa"] = measure = measure_kappa(target_model, drafter, full_head_rows=source_vocab or vocab)
         nu1 = next(r["nu"] for r in rows if r["batch"] == min(r2["batch"] for r2 in rows))
         result["rho_tau"] = rho_tau if rho_tau is not None else 1.0
         result["predicted_rho_tps"] = predicted_speedup(result["rho_tau"], nu1, measure["kappa"])
@@ -501,8 +501,9 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
                    f"{r['nu']:>8.3f}{r['flop_floor']:>12.3f}")
     if "kappa" in result:
         k = result["kappa"]
-        click.echo(f"kappa {k['kappa']:.3f} (head {k['head_s'] * 1e3:.2f} ms x {k['draft_tokens']} vs drafter layer "
-                   f"{k['drafter_layer_s'] * 1e3:.2f} ms x {k['draft_tokens']} + target verify "
+        click.echo(f"kappa {k['kappa']:.3f} (the full {k['head_rows']}-row head {k['head_s'] * 1e3:.2f} ms "
+                   f"x {k['draft_tokens']} vs drafter layer {k['drafter_layer_s'] * 1e3:.2f} ms x {k['draft_tokens']}"
+                   " + target verify "
                    f"{k['target_verify_s'] * 1e3:.1f} ms)")
         click.echo(f"predicted rho_TPS = rho_tau (1 + kappa) / (1 + nu kappa) = {result['predicted_rho_tps']:.3f} "
                    f"(rho_tau {result['rho_tau']:.3f}{'' if rho_tau is not None else ', assumed'})")

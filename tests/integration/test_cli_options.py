@@ -118,3 +118,16 @@ def test_demo_command_line_is_the_demo_recipe(monkeypatch, tmp_path):
     assert printed["config"] == ran["config"]
     assert {k: printed[k] for k in ("drafter", "target", "rank", "vocab", "steps")} == \
         {k: ran[k] for k in ("drafter", "target", "rank", "vocab", "steps")}
+
+
+def test_bench_kappa_times_the_source_head(tiny_converted, tiny_target):
+    """`bench CHECKPOINT --kappa` must time the head the conversion replaced (512 draft rows here, read from
+    slimspec.json), not the checkpoint's 49152-row low-rank head: catches kappa ~ nu * kappa in rho_TPS."""
+    result = CliRunner().invoke(main, ["bench", str(tiny_converted), "--kappa", "--target", str(tiny_target),
+                                       "--batch", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["kappa"]["head_rows"] == 512 and report["head"][0]["source_vocab"] == 512
+    assert report["kappa"]["lowrank_head_s"] > 0
+    nu, kappa = report["head"][0]["nu"], report["kappa"]["kappa"]
+    assert report["predicted_rho_tps"] == pytest.approx((1 + kappa) / (1 + nu * kappa))

@@ -27,3 +27,30 @@ def test_head_latency_runs_both_heads():
     assert r["full_s"] > 0 and r["lowrank_s"] > 0 and r["nu"] == pytest.approx(r["lowrank_s"] / r["full_s"])
     assert r["flop_floor"] == pytest.approx(flop_floor(5000, 64, 8))
     assert head_latency(500, 32, 4, dtype=torch.bfloat16, repeats=2)["dtype"] == "bfloat16"
+
+
+def test_kappa_times_the_full_head_a_slimspec_drafter_replaced(tiny_converted, tiny_target, monkeypatch):
+    """kappa is the *original* head's share of a cycle: rho_TPS applies nu to it. Catches kappa measured on the
+    low-rank head (about nu * kappa; rho_TPS then undercounts the gain). Each timed piece is "timed" by its
+    matmul FLOPs, so the expected values are exact: 2 * rows * d for the full head of ``full_head_rows`` rows."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from slimspec.distill.teacher import load_target_model
+    from slimspec.evaluate import cost
+    from slimspec.evaluate.acceptance import load_for_eval
+
+    def flops(fn, **_):
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        return float(counter.get_total_flops())
+
+    monkeypatch.setattr(cost, "best_time", flops)
+    drafter, _, parts, _ = load_for_eval(str(tiny_converted), str(tiny_target))
+    target, _ = load_target_model(parts.path)
+    d = drafter.config.hidden_size
+    measured = cost.measure_kappa(target, drafter, full_head_rows=512, context=16)
+    assert measured["head_s"] == 2 * 512 * d
+    assert measured["lowrank_head_s"] == 2 * (8 * d + 49152 * 8)  # the low-rank head, reported beside it
+    cycle = 4 * measured["drafter_layer_s"] + measured["target_verify_s"]
+    assert measured["kappa"] == pytest.approx(4 * 2 * 512 * d / cycle)
+    assert cost.measure_kappa(target, drafter, context=16)["head_s"] == 2 * 49152 * d  # default: its own rows

@@ -69,11 +69,16 @@ def full_head_seconds(rows: int, hidden: int, *, batch: int = 1, dtype: torch.dt
 
 
 @torch.no_grad()
-def measure_kappa(target, drafter, *, draft_tokens: int = 4, context: int = 256, repeats: int = 10) -> dict[str, float]:
-    """kappa for one greedy draft+verify cycle: K head steps over K drafter-layer steps + one target verify.
+def measure_kappa(target, drafter, *, full_head_rows: int | None = None, draft_tokens: int = 4, context: int = 256,
+                  repeats: int = 10) -> dict[str, float]:
+    """kappa for one greedy draft+verify cycle: K **full**-head steps over K drafter-layer steps + one target verify.
 
-    The pieces are timed separately at a context of ``context`` tokens, batch 1.
+    kappa is the original head's share (the paper's model, :func:`predicted_speedup`, applies nu to it), so a
+    SlimSpec drafter's head is timed as the full ``[full_head_rows, d]`` head it replaced (default: its own head's
+    rows); its low-rank head's step is reported beside it (``lowrank_head_s``). The pieces are timed separately at
+    a context of ``context`` tokens, batch 1.
     """
+    import torch.nn.functional as F
     from transformers import DynamicCache
 
     hidden = drafter.config.hidden_size
@@ -94,8 +99,13 @@ def measure_kappa(target, drafter, *, draft_tokens: int = 4, context: int = 256,
     pos = torch.tensor([[context]])
     layer = best_time(lambda: drafter(input_ids=token, hidden=h, positions=pos, past_key_values=k_cache),
                       repeats=repeats)
-    head = best_time(lambda: drafter.logits(h).argmax(-1), repeats=repeats)
+    rows = full_head_rows or int(drafter.lm_head.weight_up.shape[0])
+    full = torch.randn(rows, hidden, dtype=dtype)
+    head = best_time(lambda: F.linear(drafter.norm(h), full).argmax(-1), repeats=repeats)
     target_s = best_time(verify, repeats=repeats)
     rest = draft_tokens * layer + target_s
-    return {"kappa": draft_tokens * head / rest, "head_s": head, "drafter_layer_s": layer, "target_verify_s": target_s,
-            "draft_tokens": draft_tokens, "context": context}
+    result = {"kappa": draft_tokens * head / rest, "head_s": head, "head_rows": rows, "drafter_layer_s": layer,
+              "target_verify_s": target_s, "draft_tokens": draft_tokens, "context": context}
+    if drafter.lm_head.rank is not None:
+        result["lowrank_head_s"] = best_time(lambda: drafter.logits(h).argmax(-1), repeats=repeats)
+    return result
