@@ -1,11 +1,13 @@
 """The acceptance-cost plane and --rank auto, end to end on a tiny target (smoke + selection logic)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from slimspec.cli import main
+from slimspec.distill.pipeline import brief_distillation
 from slimspec.convert.rank import parse_rank
 from slimspec.evaluate.cost import predicted_speedup
 from slimspec.evaluate.plane import PlanePoint, best_rank, plane_table
@@ -43,6 +45,10 @@ def test_plane_and_rank_auto_on_tiny_target(tiny_target, tmp_path):
     assert nu["SlimSpec r=d/8 (draft vocab)"] < nu["SlimSpec r=d/8"]
     assert (tmp_path / "plane" / "plane.png").stat().st_size > 5000
     base = report["points"][0]["tau"]
+    for point in report["points"][1:5]:  # each rank distilled with the demo's recipe, as --help says
+        distilled = json.loads((Path(point["folder"]) / "slimspec.json").read_text())["distill"]
+        assert distilled["config"]["teacher"] == "drafter" and distilled["config"]["steps"] == 2
+        assert distilled["config"]["lr"] == brief_distillation()[1].lr
     assert all(p["rho_tau"] == pytest.approx(p["tau"] / base) for p in report["points"])
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tiny_target), "--rank", "auto",
                                        "--kappa", "1.0", "--vocab", "draft", "-o", str(tmp_path / "auto"),
@@ -55,3 +61,15 @@ def test_plane_and_rank_auto_on_tiny_target(tiny_target, tmp_path):
     assert saved["rank_auto"]["chosen"] == best["name"] and saved["rho_tau"] == best["rho_tau"]
     assert saved["rank"] == parse_rank(best["name"].split("=")[1], 32) == json.loads(result.stdout)["rank"]
     assert saved["vocab_mode"] == "draft" and saved["head_vocab"] == 2048  # --vocab reaches the candidates
+
+
+def test_rank_auto_refuses_the_source_folder_as_output(tmp_path):
+    """Catches `--rank auto --out SRC --overwrite` deleting the source drafter: it converts into a temporary
+    folder and replaces --out with the chosen rank at the end (refused before any work)."""
+    source = tmp_path / "d"
+    write_drafter(source, "eagle", Spec(vocab=49152, draft_vocab=2048, hidden=32, target_hidden=32))
+    files = sorted(p.name for p in source.iterdir())
+    result = CliRunner().invoke(main, ["convert", str(source), "-t", "unused", "--rank", "auto", "-o",
+                                       str(tmp_path / "." / "d"), "--overwrite"])
+    assert result.exit_code != 0 and "drafter's own folder" in result.output
+    assert sorted(p.name for p in source.iterdir()) == files

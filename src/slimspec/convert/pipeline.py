@@ -104,7 +104,7 @@ def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: Voc
     return weight, head.shape[0]
 
 
-def _not_the_source(out: Path, source: Path) -> None:
+def check_not_the_source(out: Path, source: Path) -> None:
     """Refuse an output folder that is the drafter's own (``--overwrite`` would replace the source)."""
     if out.resolve() == Path(source).resolve():
         raise SlimSpecError(f"--out {out} is the drafter's own folder: write the conversion elsewhere")
@@ -185,7 +185,7 @@ def convert(
         drafter_path = resolve_model(drafter, "drafter", revision)
         ckpt = load_drafter(drafter_path)
     if out is not None:
-        _not_the_source(Path(out), drafter_path)
+        check_not_the_source(Path(out), drafter_path)
     if target is None and embedded.is_embedded(drafter):
         target = embedded.EMBEDDED_TARGET
     if target is None and (vocab == "full" or init == "whitened" or distill_steps > 0 or not ckpt.has_head):
@@ -210,7 +210,7 @@ def convert(
     if out is None and r is not None:
         out = Path(f"{model_name(drafter)}-slimspec-r{r}")
         check_output_free(out, overwrite)
-        _not_the_source(out, drafter_path)
+        check_not_the_source(out, drafter_path)
     with stages.stage("gram", f"Gram matrix of the {weight.shape[0]}x{hidden} head"):
         gram = gram_matrix(weight)
     with stages.stage("spectrum", "singular values"):

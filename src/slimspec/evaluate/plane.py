@@ -54,13 +54,14 @@ def build_plane(
 
     ``calibration_prompts`` shipped prompts (answers regenerated, 64 tokens) serve both the distillation of
     each rank and the VocabTrim token counts (the target's own generations). ``base_tau``: the original
-    drafter's tau at the same settings, when the caller has measured it already."""
+    drafter's tau at the same settings, when the caller has measured it already. Each rank is distilled
+    ``distill_steps`` head-only steps with the demo's recipe (:func:`brief_distillation`: the source drafter's
+    head as teacher)."""
     from slimspec.checkpoint import load_drafter
     from slimspec.convert.pipeline import convert
     from slimspec.distill.pipeline import brief_distillation, load_target_parts
     from slimspec.distill.prompts import load_prompts
     from slimspec.distill.scratch import scratch_teacher
-    from slimspec.distill.teacher import load_target_model
     from slimspec.evaluate.acceptance import evaluate
     from slimspec.evaluate.trim import token_counts, trimmed_ids, write_trimmed
     from slimspec.hub import resolve_model
@@ -70,7 +71,9 @@ def build_plane(
     ckpt = load_drafter(source)
     d, vd = ckpt.config.hidden_size, ckpt.config.draft_vocab_size
     parts = load_target_parts(target)
-    options = replace(brief_distillation()[0], num_prompts=calibration_prompts)  # the recipe's teacher cache
+    # the demo's recipe (drafter teacher, its lr and batch) at the plane's own prompts and steps
+    options, recipe = brief_distillation(distill_steps)
+    options = replace(options, num_prompts=calibration_prompts)
 
     def tau_of(folder: str) -> float:
         return evaluate(folder, target, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
@@ -84,30 +87,31 @@ def build_plane(
         for rank in ranks:
             res = convert(str(source), target, rank, vocab=vocab, overwrite=True, distill_steps=distill_steps,
                           out=out_dir / f"slimspec-{vocab}-{rank.replace('/', '_')}", data_options=options,
-                          progress=progress)
+                          distill_config=replace(recipe), progress=progress)
             r = res.rank
             nu = head_latency(res.report["head_vocab"], d, r, source_vocab=vd)["nu"]
             tau = tau_of(str(res.out))
             label = f"SlimSpec r={rank}" + (" (draft vocab)" if vocab == "draft" and len(vocabs) > 1 else "")
             points.append(PlanePoint(label, "slimspec", nu, tau, tau / base_tau, res.report["head_params"],
                                      str(res.out)))
-    teacher, _ = scratch_teacher(parts, options, progress)
-    vocab = ckpt.config.vocab_size
-    generations = token_counts(teacher.input_ids[teacher.loss_mask], vocab)
-    _, tokenizer = load_target_model(parts.path)
-    corpus_ids = [t for p in load_prompts(None) for t in tokenizer(p.text)["input_ids"]]
-    import torch
+    sizes = [size for size in trim_sizes if size < vd]
+    if sizes:  # token counts: the target's generations (VocabTrim) and the shipped prompts (FR-Spec)
+        import torch
+        from transformers import AutoTokenizer
 
-    corpus = token_counts(torch.tensor(corpus_ids), vocab)
-    for kind, counts in (("vocabtrim", generations), ("frspec", corpus)):
-        for size in trim_sizes:
-            if size >= vd:
-                continue
-            folder = write_trimmed(ckpt, trimmed_ids(ckpt, counts, size), out_dir / f"{kind}-{size}")
-            nu = full_head_seconds(size, d) / full_head_seconds(vd, d)
-            tau = tau_of(str(folder))
-            label = "VocabTrim" if kind == "vocabtrim" else "FR-Spec"
-            points.append(PlanePoint(f"{label} {size}", kind, nu, tau, tau / base_tau, size * d, str(folder)))
+        teacher, _ = scratch_teacher(parts, options, progress)
+        vocab = ckpt.config.vocab_size
+        generations = token_counts(teacher.input_ids[teacher.loss_mask], vocab)
+        tokenizer = AutoTokenizer.from_pretrained(parts.path)
+        corpus = token_counts(torch.tensor([t for p in load_prompts(None) for t in tokenizer(p.text)["input_ids"]]),
+                              vocab)
+        for kind, counts in (("vocabtrim", generations), ("frspec", corpus)):
+            for size in sizes:
+                folder = write_trimmed(ckpt, trimmed_ids(ckpt, counts, size), out_dir / f"{kind}-{size}")
+                nu = full_head_seconds(size, d) / full_head_seconds(vd, d)
+                tau = tau_of(str(folder))
+                label = "VocabTrim" if kind == "vocabtrim" else "FR-Spec"
+                points.append(PlanePoint(f"{label} {size}", kind, nu, tau, tau / base_tau, size * d, str(folder)))
     (out_dir / "plane.json").write_text(json.dumps([asdict(p) for p in points], indent=2))
     return points
 
@@ -165,7 +169,10 @@ def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float,
     import tempfile
 
     from slimspec.checkpoint.writer import check_output_free
+    from slimspec.convert.pipeline import check_not_the_source
+    from slimspec.hub import resolve_model
 
+    check_not_the_source(out, resolve_model(drafter, "drafter"))  # the chosen rank replaces ``out`` at the end
     check_output_free(out, overwrite)
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
         points = build_plane(drafter, target, Path(tmp), ranks=ranks, vocabs=(vocab,), trim_sizes=(),
