@@ -141,3 +141,18 @@ def test_layer_style_comes_from_the_tensors(tmp_path):
     torch.save(tensors, tmp_path / "b" / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="biases"):
         load_drafter(tmp_path / "b")
+
+
+def test_trimmed_drafter_keeps_the_eagle_3_1_norm_output_recurrence(tmp_path):
+    """Catches a trim (VocabTrim/FR-Spec baselines) of an EAGLE 3.1 drafter (`norm_output: true`: the next draft
+    step takes the normed state) that writes a config without the flag: the trimmed drafter would run another
+    recurrence than its source and the baselines would be measured on the wrong model."""
+    from slimspec.evaluate.trim import write_trimmed
+
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    (tmp_path / "d" / "config.json").write_text(json.dumps({**config, "norm_output": True}))
+    ckpt = load_drafter(tmp_path / "d")
+    assert ckpt.config.norm_output
+    trimmed = load_drafter(write_trimmed(ckpt, torch.arange(40), tmp_path / "trim"))
+    assert trimmed.config.norm_output

@@ -70,7 +70,7 @@ def eagle_config_json(cfg: DrafterConfig, draft_vocab: int, aux_convention: str 
         "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size, "draft_vocab_size": draft_vocab, "target_hidden_size": cfg.target_hidden_size,
         "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
-        "fc_norm": cfg.fc_norm, "torch_dtype": "float16", "tie_word_embeddings": False,
+        "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output, "torch_dtype": "float16", "tie_word_embeddings": False,
     }
     if cfg.aux_layer_ids:
         config["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
