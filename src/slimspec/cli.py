@@ -47,11 +47,12 @@ def data_options(func):
     options = [
         click.option("--data", multiple=True, help="Prompts: jsonl/json/parquet files or globs (field `turns`), or a "
                      "datasets id. Repeatable. Default: the calibration set shipped with slimspec."),
-        click.option("--num-prompts", type=int, help="Use at most this many prompts (a seeded random sample)."),
+        click.option("--num-prompts", type=click.IntRange(min=1),
+                     help="Use at most this many prompts (a seeded random sample)."),
         click.option("--responses", type=click.Choice(["regenerate", "reference", "none"]), default="regenerate",
                      show_default=True, help="What follows each prompt: the target's own answer (EAGLE-3 practice), "
                      "the data set's reference answer (no generation), or nothing."),
-        click.option("--max-new-tokens", type=int, default=128, show_default=True,
+        click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
                      help="Length of regenerated answers."),
         click.option("--temperature", type=float, default=0.0, show_default=True,
                      help="0: greedy answers; > 0: sampled."),
@@ -83,7 +84,8 @@ def data_options(func):
         click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak AdamW learning rate."),
         click.option("--warmup-steps", type=int, default=10, show_default=True,
                      help="Linear warmup to --lr, then cosine decay to a tenth of it."),
-        click.option("--batch-tokens", type=int, default=2048, show_default=True, help="Drafter positions per step."),
+        click.option("--batch-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+                     help="Drafter positions per step."),
         click.option("--seed", type=int, default=0, show_default=True,
                      help="Seed of the distillation (batch draws, held-out split) and, with --temperature > 0, "
                           "of the sampled answers."),
@@ -397,8 +399,10 @@ def bench_group() -> None:
 @click.option("--trim-sizes", default="1024,4096", show_default=True, help="Vocabulary-trimming sizes.")
 @click.option("--distill-steps", type=int, default=60, show_default=True,
               help="Head-only distillation steps of each SlimSpec point (the drafter teacher).")
-@click.option("--num-prompts", type=int, default=8, show_default=True, help="mt_bench prompts for tau.")
-@click.option("--max-new-tokens", type=int, default=96, show_default=True, help="Tokens generated per prompt.")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=8, show_default=True,
+              help="mt_bench prompts for tau.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=96, show_default=True,
+              help="Tokens generated per prompt.")
 @click.option("--kappa", "kappas", default="0.25,0.5,1.0", show_default=True, help="Iso-speedup curves.")
 @click.option("--calibration-prompts", type=int, default=64, show_default=True,
               help="Shipped prompts (answers regenerated) for distillation and VocabTrim counts.")
@@ -514,9 +518,12 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
 @click.option("--target", "-t", help="Target model (default: the one the drafter names).")
 @click.option("--dataset", default="mt_bench", show_default=True,
               help="mt_bench, humaneval, gsm8k (shipped), or a jsonl file with `turns`.")
-@click.option("--num-prompts", type=int, default=8, show_default=True, help="First N prompts (0: all).")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens generated per prompt.")
-@click.option("--draft-tokens", "-k", type=int, default=4, show_default=True, help="Draft chain length K.")
+@click.option("--num-prompts", type=click.IntRange(min=0), default=8, show_default=True,
+              help="First N prompts (0: all).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens generated per prompt.")
+@click.option("--draft-tokens", "-k", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Draft chain length K.")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0: greedy (output identical to the target's); > 0: speculative sampling.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of speculative sampling (T > 0).")

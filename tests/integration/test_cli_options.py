@@ -29,6 +29,11 @@ def _one_line_failure(result, needle: str) -> None:
     (["bench", "--vocab", "100", "--hidden", "16", "--rank", "-3"], "must be > 0"),
     (["bench", "--vocab", "100", "--hidden", "16", "--rank", "4", "--batch", "0"], "--batch"),
     (["convert"], "Missing argument 'DRAFTER'"),
+    (["eval", "embedded:smollm2-135m-eagle3", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["eval", "embedded:smollm2-135m-eagle3", "-k", "0"], "--draft-tokens"),
+    (["distill", "embedded:smollm2-135m-eagle3", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["distill", "embedded:smollm2-135m-eagle3", "--batch-tokens", "0"], "--batch-tokens"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--num-prompts", "0", "--distill-steps", "2"], "--num-prompts"),
 ])
 def test_bad_option_values_fail_in_one_line(args, needle, tmp_path, monkeypatch):
     """Catches option values that reached the library as a ValueError/RuntimeError traceback (exit code 1), options

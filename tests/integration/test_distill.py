@@ -228,6 +228,31 @@ def test_from_scratch_trains_an_eagle_layout_drafter(tiny_target, tmp_path):
     assert res.report["rows_from_drafter"] == 300
 
 
+def test_from_scratch_records_its_feature_layers_and_low_rank_head(tiny_target, tmp_path):
+    """Catches `--from-scratch --aux-layers` training on layers its config does not name (later reads use the
+    default layers), ids read in the wrong convention, an fc sized for 3 states when 2 are given, and a
+    `--head-rank` drafter written as a plain Llama EAGLE config that stock vLLM would load with a [V, r] head."""
+    from slimspec.checkpoint import load_drafter
+    from slimspec.distill.teacher import aux_layers_for
+    from slimspec.evaluate.acceptance import evaluate
+
+    result = CliRunner().invoke(main, ["distill", "--from-scratch", "-t", str(tiny_target), "--draft-vocab", "300",
+                                       "--head-rank", "4", "--aux-layers", "0,2", "--aux-convention", "output",
+                                       "--steps", "2", "--num-prompts", "4", "--max-new-tokens", "8",
+                                       "--batch-tokens", "128", "-o", str(tmp_path / "scratch"), "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    ckpt = load_drafter(tmp_path / "scratch")
+    assert aux_layers_for(ckpt.config.aux_layer_ids, ckpt.layout, 4, ckpt.aux_convention) == (1, 3)
+    assert ckpt.tensors["fc.weight"].shape[1] == 2 * 32 and ckpt.config.num_aux_hidden_states == 2
+    assert ckpt.layout == "slimspec" and ckpt.is_lowrank and ckpt.tensors["lm_head_down.weight"].shape == (4, 32)
+    config = json.loads((tmp_path / "scratch" / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3SlimSpecLlamaForCausalLM"] and config["slimspec"]["rank"] == 4
+    training = json.loads((tmp_path / "scratch" / "training.json").read_text())
+    assert training["teacher"]["aux_layers"] == [1, 3]  # the layers it was trained on
+    assert evaluate(str(tmp_path / "scratch"), str(tiny_target), num_prompts=1, max_new_tokens=4,
+                    progress=False)["tau"] >= 1.0
+
+
 def test_bf16_from_scratch_tracks_fp32(tiny_target, tmp_path):
     """``--bf16`` (autocast backbone, bf16 KL matmuls). Catches a flag that is not wired through (losses identical
     to fp32's, or not recorded in the config) and a mixed-precision path that does not learn or drifts from fp32:

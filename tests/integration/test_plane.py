@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from slimspec.cli import main
-from slimspec.distill.pipeline import brief_distillation
 from slimspec.convert.rank import parse_rank
+from slimspec.distill.pipeline import brief_distillation
 from slimspec.evaluate.cost import predicted_speedup
 from slimspec.evaluate.plane import PlanePoint, best_rank, plane_table
 from tests.layouts import Spec, write_drafter
@@ -61,6 +61,9 @@ def test_plane_and_rank_auto_on_tiny_target(tiny_target, tmp_path):
     assert saved["rank_auto"]["chosen"] == best["name"] and saved["rho_tau"] == best["rho_tau"]
     assert saved["rank"] == parse_rank(best["name"].split("=")[1], 32) == json.loads(result.stdout)["rank"]
     assert saved["vocab_mode"] == "draft" and saved["head_vocab"] == 2048  # --vocab reaches the candidates
+    folders = {p["name"]: p["folder"] for p in saved["rank_auto"]["points"]}  # no dangling temporary folders
+    assert folders[best["name"]] == str(tmp_path / "auto") and Path(folders["full head"]).resolve() == tmp_path / "d"
+    assert all(folder is None for name, folder in folders.items() if name not in (best["name"], "full head"))
 
 
 def test_rank_auto_refuses_the_source_folder_as_output(tmp_path):

@@ -178,3 +178,29 @@ def test_supports_only_what_it_models():
     assert supports(model(model_type="mistral", sliding_window=4096), 100)
     assert supports(model(model_type="qwen2", sliding_window=64, use_sliding_window=False), 100)
     assert not supports(NS(config=NS(model_type="llama"), base_model=NS(layers=[])), 16)
+
+
+def test_both_engines_stop_at_every_eos_of_the_generation_config(tiny_target, tmp_path):
+    """Catches the static engine stopping only at the tokenizer's eos while transformers' generate also stops at
+    the generation config's other eos ids (Llama 3.1 Instruct lists three): the two engines' teacher answers
+    would differ, and answers would run past an end-of-turn token."""
+    import json
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    model, tokenizer = load_target_model(target)
+    prefix = _chat_ids(tokenizer, PROMPTS[1])[0]
+    answer = static_decode(model, [prefix], 10, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)[0].response
+    extra = answer[3]  # a token the target's greedy answer produces: make it an end-of-turn token
+    assert tokenizer.eos_token_id not in answer[:4]
+    config = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({**config,
+                                                               "eos_token_id": [tokenizer.eos_token_id, extra]}))
+    prompts = [Prompt("0", PROMPTS[1])]
+    common = {"max_new_tokens": 10, "aux_layers": (1, 2, 3), "generation_dtype": "float32"}
+    datas = [build_teacher_data(target, prompts, TeacherSettings(**common, engine=engine), cache_root=tmp_path / engine,
+                                progress=False) for engine in ("transformers", "static")]
+    for data in datas:
+        assert data.input_ids.tolist() == prefix + answer[: answer.index(extra) + 1]

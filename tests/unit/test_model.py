@@ -410,3 +410,22 @@ def test_checkpoint_of_random_drafter_round_trips_through_dataclass():
     again = Eagle3Drafter.from_checkpoint(ckpt, embed_weight=model.embed_weight)
     for name, tensor in again.canonical_state_dict().items():
         assert torch.equal(tensor, state[name]), name
+
+
+def test_from_scratch_drafter_takes_the_targets_rope(tmp_path):
+    """Catches a from-scratch drafter that reads only `rope_theta`/`rope_scaling`: transformers 5 targets write
+    `rope_parameters` instead, and the drafter would run RoPE at 1e4 without the target's llama3 scaling."""
+    import json
+    from types import SimpleNamespace
+
+    from slimspec.distill.scratch import scratch_config
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    base = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps({**base, "rope_parameters": rope}))
+    cfg = scratch_config(SimpleNamespace(path=tmp_path, head=torch.zeros(100, 64)), 10)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == {k: v for k, v in rope.items() if k != "rope_theta"}
+    (tmp_path / "config.json").write_text(json.dumps({**base, "rope_theta": 1e5}))  # transformers 4 style
+    cfg = scratch_config(SimpleNamespace(path=tmp_path, head=torch.zeros(100, 64)), 10)
+    assert cfg.rope_theta == 1e5 and cfg.rope_scaling is None

@@ -57,6 +57,9 @@ def test_rows_round_trip_per_sequence(tmp_path):
         assert got["input_ids"].tolist() == ids
         assert got["loss_mask"].tolist() == [j >= split - 1 for j in range(len(ids))]
         assert torch.equal(got["aux"], aux.to(torch.bfloat16)) and torch.equal(got["final"], final.to(torch.bfloat16))
+    # the answers (VocabTrim counts, a new drafter's draft vocabulary) start at split, not at the mask's split - 1
+    kept = [s for s in seqs if len(s[0]) >= 3]
+    assert data.response_ids().tolist() == [t for ids, split, _, _ in kept for t in ids[split:]]
     again = load_teacher_data(tmp_path / "k")
     assert torch.equal(again.aux, data.aux) and torch.equal(again.final, data.final)
 

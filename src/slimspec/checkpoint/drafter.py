@@ -197,7 +197,6 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
             raise CheckpointError(f"drafter config lacks {key!r}")
         return layer[key]
 
-    rope = layer.get("rope_parameters") if isinstance(layer.get("rope_parameters"), dict) else {}
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     kv_heads = int(layer.get("num_key_value_heads") or heads)
@@ -241,9 +240,8 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
         vocab_size=vocab,
         draft_vocab_size=int(draft_vocab),
         rms_norm_eps=float(layer.get("rms_norm_eps") or 1e-6),
-        # transformers 5 writes rope_parameters {rope_type, rope_theta, ...} instead of rope_theta/rope_scaling
-        rope_theta=float(layer.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        rope_scaling=layer.get("rope_scaling") or _scaling_from_parameters(rope),
+        rope_theta=rope_of(layer)[0],
+        rope_scaling=rope_of(layer)[1],
         max_position_embeddings=int(layer.get("max_position_embeddings") or 2048),
         hidden_act=str(layer.get("hidden_act") or "silu"),
         model_type=model_type,
@@ -259,11 +257,14 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
     )
 
 
-def _scaling_from_parameters(rope: dict[str, Any]) -> dict[str, Any] | None:
+def rope_of(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) of a Llama-style config: transformers 5 writes ``rope_parameters``
+    {rope_type, rope_theta, ...} instead of ``rope_theta``/``rope_scaling``."""
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     kind = rope.get("rope_type") or rope.get("type")
-    if not kind or kind == "default":
-        return None
-    return {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling = None if not kind or kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    return theta, config.get("rope_scaling") or scaling
 
 
 def _check_shapes(cfg: DrafterConfig, t: dict[str, torch.Tensor], where: Path) -> None:

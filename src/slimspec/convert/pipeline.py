@@ -110,7 +110,7 @@ def check_not_the_source(out: Path, source: Path) -> None:
         raise SlimSpecError(f"--out {out} is the drafter's own folder: write the conversion elsewhere")
 
 
-def _portable(model: str) -> str:
+def portable(model: str) -> str:
     """A model argument as later commands must resolve it: local folders absolute (distill or eval may run from
     another folder), Hub ids and ``embedded:`` names as given."""
     path = Path(model)
@@ -293,9 +293,9 @@ def convert(
     if distill_report is not None:
         report.update(distill_report)
     report.update(extra_report or {})
-    meta = {"version": report["versions"]["slimspec"], "vocab_mode": vocab, "source_drafter": _portable(drafter),
+    meta = {"version": report["versions"]["slimspec"], "vocab_mode": vocab, "source_drafter": portable(drafter),
             "source_layout": ckpt.layout, "aux_convention": ckpt.aux_convention,
-            "target": _portable(target) if target is not None else None}
+            "target": portable(target) if target is not None else None}
     if revision:
         meta["source_revision"] = revision
     if target_revision:

@@ -12,20 +12,29 @@ from pathlib import Path
 
 import torch
 
-from slimspec.checkpoint.drafter import DrafterConfig
-from slimspec.checkpoint.writer import atomic_folder, check_output_free, eagle_config_json, write_json
+from slimspec.checkpoint.drafter import DrafterConfig, rope_of
+from slimspec.checkpoint.writer import (
+    atomic_folder,
+    check_output_free,
+    drafter_config_json,
+    eagle_config_json,
+    save_tensors,
+    write_json,
+)
 from slimspec.distill.pipeline import DataOptions, TargetParts, load_target_parts
-from slimspec.distill.teacher import TeacherData, TeacherSettings, build_teacher_data, default_aux_layers
+from slimspec.distill.teacher import TeacherData, TeacherSettings, aux_layers_for, build_teacher_data
 from slimspec.distill.train import DistillConfig, DistillResult, distill_drafter
 from slimspec.errors import SlimSpecError
 from slimspec.model import Eagle3Drafter, FullHead, LowRankHead
 
 
 def scratch_teacher(parts: TargetParts, options: DataOptions, progress: bool) -> tuple[TeacherData, TeacherSettings]:
-    """Teacher data for a new drafter (EAGLE-3's default feature layers unless ``options`` say otherwise)."""
+    """Teacher data for a new drafter (EAGLE-3's default feature layers unless ``options`` say otherwise: ids in
+    ``options.aux_convention``, default ``input``, the convention the written drafter records)."""
     from slimspec.distill.prompts import load_prompts
 
-    settings = options.teacher_settings(options.aux_layers or default_aux_layers(parts.num_layers))
+    settings = options.teacher_settings(aux_layers_for(options.aux_layers, "eagle", parts.num_layers,
+                                                       options.aux_convention))
     prompts = load_prompts(options.data, limit=options.num_prompts)
     answers = Path(options.answers) if options.answers else None
     return build_teacher_data(parts.path, prompts, settings, progress=progress, answers=answers), settings
@@ -34,7 +43,7 @@ def scratch_teacher(parts: TargetParts, options: DataOptions, progress: bool) ->
 def frequent_response_tokens(teacher: TeacherData, count: int) -> torch.Tensor:
     """The ``count`` target ids most frequent among response tokens (ties: lower id), sorted ascending."""
     vocab_hint = int(teacher.input_ids.max()) + 1
-    ids = teacher.input_ids[teacher.loss_mask]
+    ids = teacher.response_ids()
     counts = torch.bincount(ids if ids.numel() else teacher.input_ids, minlength=vocab_hint).double()
     order = torch.argsort(-counts + torch.arange(counts.numel(), dtype=torch.float64) * 1e-9)
     return order[:count].sort().values
@@ -49,8 +58,8 @@ def scratch_config(target: TargetParts, draft_vocab: int) -> DrafterConfig:
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
         head_dim=int(cfg.get("head_dim") or hidden // heads), intermediate_size=int(cfg["intermediate_size"]),
         target_hidden_size=hidden, vocab_size=int(target.head.shape[0]), draft_vocab_size=draft_vocab,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        rope_scaling=cfg.get("rope_scaling"), max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_of(cfg)[0],
+        rope_scaling=rope_of(cfg)[1], max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         hidden_act=str(cfg.get("hidden_act", "silu")))
 
 
@@ -114,7 +123,9 @@ def train_from_scratch(
         unused[draft_ids] = False
         draft_ids = torch.cat([draft_ids, unused.nonzero()[: draft_vocab - draft_ids.numel(), 0]]).sort().values
     dcfg = scratch_config(parts, draft_vocab)
-    dcfg.aux_layer_ids = None
+    # the feature layers as HF indices (the "input" convention the written config records); none: the default
+    dcfg.aux_layer_ids = list(settings.aux_layers) if options.aux_layers else None
+    dcfg.num_aux_hidden_states = len(settings.aux_layers)
     drafter = init_drafter(dcfg, parts, draft_ids, rank, cfg.seed)
     teacher_head = parts.head[draft_ids] if draft_vocab != parts.head.shape[0] else parts.head
     result = distill_drafter(drafter, teacher, teacher_head, cfg, checkpoint_dir=out.parent / f"{out.name}.checkpoints",
@@ -127,7 +138,9 @@ def write_eagle_layout(drafter: Eagle3Drafter, config: DrafterConfig, draft_ids:
                        result: DistillResult, target: str, settings: TeacherSettings, overwrite: bool,
                        training_extra: dict | None = None) -> None:
     """EAGLE (yuhuili) layout: flat Llama config with ``draft_vocab_size``, fp16 ``pytorch_model.bin``;
-    ``training_extra``: more top-level fields of ``training.json``."""
+    ``training_extra``: more top-level fields of ``training.json``. A low-rank head is written as a SlimSpec
+    checkpoint instead (its architecture, ``slimspec`` config section and ``model.safetensors``): stock vLLM
+    cannot serve a ``[V, r]`` lm_head, the SlimSpec plugin can."""
     tensors = {k: v.detach().half().clone() if v.is_floating_point() else v.clone()
                for k, v in drafter.canonical_state_dict(with_embedding=False).items()}
     if config.draft_vocab_size != config.vocab_size:
@@ -135,9 +148,20 @@ def write_eagle_layout(drafter: Eagle3Drafter, config: DrafterConfig, draft_ids:
         t2d[draft_ids] = True
         tensors["d2t"] = (draft_ids - torch.arange(draft_ids.numel())).long()
         tensors["t2d"] = t2d
-    flat = eagle_config_json(config, config.draft_vocab_size)
+    rank = drafter.lm_head.rank
+    training = {"target": target, "teacher": settings.__dict__, "distill": result.summary(), **(training_extra or {})}
     with atomic_folder(out, overwrite) as tmp:
-        torch.save(tensors, tmp / "pytorch_model.bin")
-        write_json(tmp / "config.json", flat)
-        write_json(tmp / "training.json", {"target": target, "teacher": settings.__dict__,
-                                           "distill": result.summary(), **(training_extra or {})})
+        if rank is None:
+            torch.save(tensors, tmp / "pytorch_model.bin")
+            write_json(tmp / "config.json", eagle_config_json(config, config.draft_vocab_size))
+        else:
+            from slimspec import __version__
+            from slimspec.convert.pipeline import portable
+
+            tensors.pop("t2d", None)  # a SlimSpec checkpoint carries d2t only, as conversions do
+            meta = {"version": __version__, "vocab_mode": "draft", "source_drafter": None,
+                    "source_layout": "from-scratch", "aux_convention": "input", "target": portable(target)}
+            save_tensors(tmp / "model.safetensors", tensors)
+            write_json(tmp / "config.json", drafter_config_json(config, rank=rank, head_vocab=config.draft_vocab_size,
+                                                                dtype=torch.float16, slimspec_meta=meta))
+        write_json(tmp / "training.json", training)

@@ -14,6 +14,7 @@ model qualifies; callers fall back to ``generate`` otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -121,16 +122,27 @@ def _forward(model, ids: Tensor, positions: Tensor, cache: _StaticCache, start: 
     return x, [states[i] for i in capture]
 
 
+def cut_at_stop(tokens: list[int], stops) -> list[int]:
+    """``tokens`` up to and including the first of the ``stops`` ids (all of them if none occurs)."""
+    first = next((i for i, t in enumerate(tokens) if t in stops), None)
+    return tokens if first is None else tokens[: first + 1]
+
+
 @torch.no_grad()
-def static_decode(model, prefixes: list[list[int]], max_new_tokens: int, *, eos_token_id: int | None,
+def static_decode(model, prefixes: list[list[int]], max_new_tokens: int, *, eos_token_id: int | Collection[int] | None,
                   pad_token_id: int, temperature: float = 0.0, generator: torch.Generator | None = None,
                   capture: tuple[int, ...] | None = None) -> list[DecodedSequence]:
     """Responses of ``model`` to each prefix (one batch, left-padded), greedy or sampled at ``temperature``.
 
-    Rows stop at ``eos_token_id`` (kept) or after ``max_new_tokens``. With ``capture`` (hidden-state indices
-    as in ``output_hidden_states``), each result also holds the features of prefix + response in the model's
-    dtype; the last response token gets one more pass so its features exist too.
+    Rows stop at ``eos_token_id`` (one id or several, as in generation configs; kept) or after
+    ``max_new_tokens``. With ``capture`` (hidden-state indices as in ``output_hidden_states``), each result also
+    holds the features of prefix + response in the model's dtype; the last response token gets one more pass so
+    its features exist too.
     """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    stops = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    stop_ids = torch.tensor(stops, dtype=torch.long)
     cfg = model.config
     batch, width = len(prefixes), max(len(p) for p in prefixes)
     capacity = width + max_new_tokens
@@ -167,8 +179,7 @@ def static_decode(model, prefixes: list[list[int]], max_new_tokens: int, *, eos_
         token = torch.where(done, torch.full_like(token, pad_token_id), token)
         out[:, step] = token
         produced = step + 1
-        if eos_token_id is not None:
-            done |= token == eos_token_id
+        done |= torch.isin(token, stop_ids)
         finished = bool(done.all()) or produced == max_new_tokens
         if finished and not capture:
             break
@@ -186,9 +197,7 @@ def static_decode(model, prefixes: list[list[int]], max_new_tokens: int, *, eos_
         gen_aux, gen_final = torch.cat(step_aux, dim=1), torch.cat(step_final, dim=1)
     results = []
     for row, p in enumerate(prefixes):
-        tokens = out[row, :produced].tolist()
-        if eos_token_id is not None and eos_token_id in tokens:
-            tokens = tokens[: tokens.index(eos_token_id) + 1]
+        tokens = cut_at_stop(out[row, :produced].tolist(), stops)
         seq = DecodedSequence(tokens)
         if capture:
             n, start = len(tokens), width - len(p)

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slimspec.distill.prompts import Prompt, prompts_fingerprint
+from slimspec.distill.static_decode import cut_at_stop
 from slimspec.errors import SlimSpecError
 from slimspec.hardware import GENERATION_DTYPES, default_generation_dtype
 
@@ -116,6 +117,14 @@ class TeacherData:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def response_ids(self) -> torch.Tensor:
+        """Ids of the answer tokens. ``loss_mask`` marks the positions whose *next* token is an answer token, so
+        it also holds each sequence's last prompt token: the answers are the positions after a masked one."""
+        follows = torch.zeros_like(self.loss_mask)
+        follows[1:] = self.loss_mask[:-1]
+        follows[self.starts[:-1]] = False
+        return self.input_ids[follows]
 
 
 def target_fingerprint(target_path: Path) -> str:
@@ -215,6 +224,17 @@ def teacher_location(target_path: Path, prompts: list[Prompt], settings: Teacher
     return TeacherLocation(key, root, root / key, root / f".{key}.static", num_layers)
 
 
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Where the target's answers end: its tokenizer's eos and every eos of its generation config (Llama 3.1
+    Instruct: <|eot_id|>, <|eom_id|>, <|end_of_text|>), as transformers' ``generate`` and vLLM stop."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None:
+        ids.insert(0, tokenizer.eos_token_id)
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
 def load_target_model(target_path: Path, dtype: torch.dtype = torch.float32):
     """The target as a transformers causal LM (eval mode) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -275,12 +295,10 @@ def _generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSett
         if settings.temperature > 0:
             kwargs.update(temperature=settings.temperature, top_k=0, top_p=1.0)
         generated = model.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, width:]
+        stops = stop_token_ids(model, tokenizer)
         for row, i in enumerate(idx):
-            tokens = generated[row].tolist()
-            eos = tokenizer.eos_token_id
-            if eos in tokens:
-                tokens = tokens[: tokens.index(eos) + 1]
-            results[i] = [t for t in tokens if t != pad or t == eos]
+            tokens = cut_at_stop(generated[row].tolist(), stops)
+            results[i] = [t for t in tokens if t != pad or t in stops]
         if journal is not None:
             with journal.open("a") as f:
                 f.write("".join(json.dumps({"i": i, "tokens": results[i]}) + "\n" for i in idx))
@@ -501,7 +519,7 @@ def _static_generate(model, tokenizer, prefixes: list[list[int]], settings: Teac
     for b in range(0, len(order), settings.generation_batch):
         idx = order[b:b + settings.generation_batch]
         results = static_decode(model, [prefixes[i] for i in idx], settings.max_new_tokens,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=pad,
+                                eos_token_id=stop_token_ids(model, tokenizer), pad_token_id=pad,
                                 temperature=settings.temperature, generator=generator, capture=settings.aux_layers)
         write_batch(idx, [r.response for r in results], [(r.aux, r.final) for r in results])
         tokens += sum(len(r.response) for r in results)

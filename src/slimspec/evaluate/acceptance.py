@@ -102,7 +102,7 @@ def evaluate(
         raise SlimSpecError(f"--engine must be 'reference' or 'vllm', got {engine!r}")
     from tqdm.auto import tqdm
 
-    from slimspec.distill.teacher import _chat_ids, load_target_model
+    from slimspec.distill.teacher import _chat_ids, load_target_model, stop_token_ids
 
     model, layers, parts, target = load_for_eval(drafter, target)
     prompts = eval_prompts(dataset, num_prompts)
@@ -115,7 +115,8 @@ def evaluate(
     outputs: dict[str, list[list[int]]] = {}
     for name, draft_model, aux in runs:
         decoder = SpeculativeDecoder(target_model, draft_model, aux, draft_tokens=draft_tokens,
-                                     temperature=temperature, eos_token_id=tokenizer.eos_token_id, seed=seed)
+                                     temperature=temperature, eos_token_id=stop_token_ids(target_model, tokenizer),
+                                     seed=seed)
         stats = DecodeStats(accepted_per_position=[0] * draft_tokens)
         outputs[name] = []
         for prompt in tqdm(prompts, desc=f"[slimspec] eval {name}", disable=not progress, leave=False):
@@ -135,7 +136,8 @@ def evaluate(
 
 
 @torch.no_grad()
-def target_greedy(target_model, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+def target_greedy(target_model, prompt_ids: list[int], max_new_tokens: int, eos: int | list[int] | None
+                  ) -> list[int]:
     """The target's own greedy continuation (the losslessness reference)."""
     out = target_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                                 eos_token_id=eos, pad_token_id=eos)

@@ -101,7 +101,7 @@ def build_plane(
 
         teacher, _ = scratch_teacher(parts, options, progress)
         vocab = ckpt.config.vocab_size
-        generations = token_counts(teacher.input_ids[teacher.loss_mask], vocab)
+        generations = token_counts(teacher.response_ids(), vocab)
         tokenizer = AutoTokenizer.from_pretrained(parts.path)
         corpus = token_counts(torch.tensor([t for p in load_prompts(None) for t in tokenizer(p.text)["input_ids"]]),
                               vocab)
@@ -172,7 +172,8 @@ def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float,
     from slimspec.convert.pipeline import check_not_the_source
     from slimspec.hub import resolve_model
 
-    check_not_the_source(out, resolve_model(drafter, "drafter"))  # the chosen rank replaces ``out`` at the end
+    source = str(resolve_model(drafter, "drafter"))
+    check_not_the_source(out, source)  # the chosen rank replaces ``out`` at the end
     check_output_free(out, overwrite)
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
         points = build_plane(drafter, target, Path(tmp), ranks=ranks, vocabs=(vocab,), trim_sizes=(),
@@ -183,7 +184,10 @@ def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float,
         report_path = Path(best.folder) / "slimspec.json"
         report = json.loads(report_path.read_text())
         report["rho_tau"] = best.rho_tau  # read by `slimspec bench --kappa`
-        report["rank_auto"] = {"kappa": kappa, "chosen": best.name, "points": [asdict(p) for p in points],
+        # the other candidates live in the temporary folder (deleted below): only the source and the choice stay
+        kept = {best.folder: str(out), source: source}
+        records = [{**asdict(p), "folder": kept.get(p.folder)} for p in points]
+        report["rank_auto"] = {"kappa": kappa, "chosen": best.name, "points": records,
                                "predicted_rho_tps": {p.name: predicted_speedup(p.rho_tau, p.nu, kappa)
                                                      for p in points}}
         report_path.write_text(json.dumps(report, indent=2) + "\n")
