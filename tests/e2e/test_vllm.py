@@ -369,3 +369,27 @@ def test_cli_eval_engine_vllm(drafters):
     assert report["engine"] == "vllm" and report["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
     print(f"\n[vllm] eval --engine vllm: vLLM tau {report['tau']:.3f}, reference tau {report['reference']['tau']:.3f}")
     assert report["tau"] > 1.0 and abs(report["tau"] - report["reference"]["tau"]) <= 0.15
+
+
+def test_from_scratch_low_rank_drafter_with_two_feature_layers_is_served(tmp_path):
+    """`distill --from-scratch --head-rank R --aux-layers a,b`: vLLM must serve it through the plugin with its own
+    low-rank head (a plain Llama EAGLE config would load a [V, r] lm_head) and read 2 target states, not 3."""
+    from click.testing import CliRunner
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slimspec.cli import main
+
+    tokenizer, common = _tiny_target_kwargs()
+    target = tmp_path / "target"
+    LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                 num_key_value_heads=2, **common)).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    result = CliRunner().invoke(main, ["distill", "--from-scratch", "-t", str(target), "--draft-vocab", "512",
+                                       "--head-rank", "16", "--aux-layers", "2,6", "--steps", "2", "--num-prompts",
+                                       "4", "--max-new-tokens", "8", "--batch-tokens", "128", "-o",
+                                       str(tmp_path / "scratch"), "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    report = _check(target, drafter=tmp_path / "scratch", prompts=_prompts()[:1], args=["--check-head"])
+    assert report["ok"], report
+    assert report["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM" and report["head_shape"] == [512, 16]
+    _head_ok(report)
