@@ -520,6 +520,8 @@ def distill_drafter(
                                   teacher_logits=logits, teacher_rows=table_rows)
         loss.backward()
         for p in params:
+            if p.grad is None and world > 1:  # a rank without rows this step: every rank must reduce every tensor
+                p.grad = torch.zeros_like(p)
             if p.grad is not None:
                 _all_reduce(p.grad)
         loss_value = float(_all_reduce(loss.detach().clone()))
