@@ -230,11 +230,11 @@ def _print_convert_report(report: dict) -> None:
         ("time", f"{report['timings']['total']:.1f}s"),
     ]
     for name, kl in report.get("init_kl", {}).items():
-        rows.insert(-1, (f"step-0 KL, {name} init", f"{kl['step0_kl']:.4f}"))
+        rows.insert(-1, (f"step-0 KL, {name} init", _kl_text(kl["step0_kl"])))
     if "distill" in report:
         d = report["distill"]
-        rows.insert(-1, ("distillation", f"{d['steps']} steps: step-0 KL {d['kl_before']:.4f} -> {d['kl_after']:.4f} "
-                                         f"({d['tokens_per_second']:.0f} tokens/s)"))
+        rows.insert(-1, ("distillation", f"{d['steps']} steps: step-0 KL {_kl_text(d['kl_before'])} -> "
+                                         f"{_kl_text(d['kl_after'])} ({d['tokens_per_second']:.0f} tokens/s)"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {value}")
@@ -298,9 +298,17 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
         return
     click.echo(f"output           {path}")
     click.echo(f"steps            {result.steps} ({result.seconds:.0f}s, {result.tokens_per_second:.0f} tokens/s)")
-    click.echo(f"step-0 KL        {result.kl_before:.4f} -> {result.kl_after:.4f} (held-out tokens)")
+    if summary["kl_before"] is None:
+        click.echo("step-0 KL        n/a (no held-out sequence with answer tokens: give more prompts)")
+    else:
+        click.echo(f"step-0 KL        {result.kl_before:.4f} -> {result.kl_after:.4f} (held-out tokens)")
     click.echo("per TTT step     " + ", ".join(f"{a:.3f}->{b:.3f}" for a, b in
                                                zip(result.kl_before_per_step, result.kl_after_per_step, strict=True)))
+
+
+def _kl_text(value: float | None) -> str:
+    """A held-out KL, or why there is none (no held-out sequence with answer tokens)."""
+    return "n/a (no held-out answers)" if value is None else f"{value:.4f}"
 
 
 def _init_distributed() -> None:

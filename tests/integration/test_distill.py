@@ -150,6 +150,11 @@ def test_resume_is_bit_for_bit(tiny_converted, tiny_target, tmp_path):
         train._lr_at = original
     saved = tmp_path / "part.checkpoints" / "step-000003.pt"
     assert not (tmp_path / "part").exists() and saved.exists()
+    # a fresh run into the same folder neither ranks below the old checkpoints nor silently deletes them
+    with pytest.raises(SlimSpecError, match="holds checkpoints of an earlier run"):
+        distill(tiny_converted, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg),
+                data_options=FEW, progress=False)
+    assert saved.exists()
     # a checkpoint written before a DistillConfig field existed (here: bf16) resumes as that field's default
     state = torch.load(saved, weights_only=True)
     del state["config"]["bf16"]
@@ -173,6 +178,25 @@ def test_resume_is_bit_for_bit(tiny_converted, tiny_target, tmp_path):
 
     a, b = load_file(str(full_out / "model.safetensors")), load_file(str(tmp_path / "part" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # --overwrite starts over: an old run's later checkpoint (step 9) must not be taken as this run's latest
+    (tmp_path / "again.checkpoints").mkdir()
+    torch.save({"step": 9}, tmp_path / "again.checkpoints" / "step-000009.pt")
+    _, again = distill(tiny_converted, str(tiny_target), out=tmp_path / "again", config=DistillConfig(**cfg),
+                       data_options=FEW, overwrite=True, progress=False)
+    assert [h["loss"] for h in again.history] == [h["loss"] for h in full.history]
+    assert not list((tmp_path / "again.checkpoints").glob("step-000009.pt"))
+
+
+def test_one_prompt_has_no_held_out_kl(tiny_converted, tiny_target, tmp_path):
+    """Catches a run on one sequence (nothing to hold out) that failed with "no teacher sequence has answer
+    tokens" although the training data is fine; its held-out KL is reported as missing, not NaN in JSON."""
+    result = CliRunner().invoke(main, ["distill", str(tiny_converted), "-t", str(tiny_target), "--num-prompts", "1",
+                                       "--max-new-tokens", "12", "--steps", "2", "--batch-tokens", "64", "-o",
+                                       str(tmp_path / "one"), "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["kl_before"] is None and summary["kl_after"] is None and len(summary["losses"]) == 2
+    assert all(v is None for v in summary["kl_after_per_step"])
 
 
 def test_nan_stops_with_clear_message(tiny_converted, tiny_target, tmp_path):

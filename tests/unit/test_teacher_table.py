@@ -105,6 +105,13 @@ def test_table_dtype_follows_the_budget(monkeypatch):
         table_budget()
     monkeypatch.delenv(TABLE_BYTES_ENV)
     assert table_budget() > 0
+    # torchrun ranks on one host each build a table: they share the host's third (catches each taking all of it)
+    import slimspec.distill.teacher_table as teacher_table_module
+
+    monkeypatch.setattr(teacher_table_module, "_available_bytes", lambda: 12_000)
+    assert table_budget() == 4_000
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert table_budget() == 1_000
 
 
 @pytest.mark.parametrize(("teacher", "temperature"), [("target", 1.0), ("drafter", 0.5)])

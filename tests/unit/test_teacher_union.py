@@ -37,6 +37,9 @@ def test_sequences_and_gathers_match_a_copied_join(tmp_path):
     parts = _parts(tmp_path)
     union, ref = concat_teacher_data(parts), _joined_in_memory(parts)
     assert len(union) == len(ref) == 8 and union.num_tokens == ref.num_tokens == 78
+    # the joined data has a key of its own, which depends on the parts and their order (checked by --resume)
+    assert union.manifest["key"] and union.manifest["key"] != concat_teacher_data(parts[::-1]).manifest["key"]
+    assert union.manifest["key"] == concat_teacher_data(parts).manifest["key"]
     assert torch.equal(union.starts, ref.starts)
     for i in range(len(ref)):
         got, want = union.sequence(i), ref.sequence(i)

@@ -14,7 +14,14 @@ from slimspec.checkpoint.drafter import DrafterCheckpoint, load_drafter
 from slimspec.checkpoint.writer import atomic_folder, check_output_free, save_tensors, write_json
 from slimspec.distill.prompts import load_prompts
 from slimspec.distill.teacher import TeacherData, TeacherSettings, aux_layers_for, build_teacher_data
-from slimspec.distill.train import DistillConfig, DistillResult, _world, distill_drafter
+from slimspec.distill.train import (
+    DistillConfig,
+    DistillResult,
+    _world,
+    distill_drafter,
+    finite_or_none,
+    prepare_checkpoint_dir,
+)
 from slimspec.errors import SlimSpecError
 from slimspec.hardware import default_generation_dtype
 from slimspec.model import Eagle3Drafter, FullHead
@@ -220,6 +227,8 @@ def distill(
     out = Path(out) if out is not None else Path(f"{model_name(str(checkpoint))}-distilled")
     if out.resolve() != Path(source).resolve():
         check_output_free(out, overwrite)
+    checkpoints = out.parent / f"{out.name}.checkpoints"
+    prepare_checkpoint_dir(checkpoints, resume, overwrite)
     teacher_ckpt = ckpt
     if cfg.teacher == "drafter":  # the teacher is the drafter the conversion started from (checked before any work)
         origin = ckpt.recorded("source_drafter")
@@ -236,7 +245,6 @@ def distill(
     if rank != 0:
         teacher = teacher_for(ckpt, parts, options, False)
     drafter = drafter_model(ckpt, parts)
-    checkpoints = out.parent / f"{out.name}.checkpoints"
     result = distill_drafter(drafter, teacher, distill_teacher_head(teacher_ckpt, drafter, parts, cfg.teacher), cfg,
                              checkpoint_dir=checkpoints, resume=resume, progress=progress)
     if rank == 0:
@@ -329,7 +337,7 @@ def init_and_distill(
     drafter = drafter_model(lowrank_checkpoint(ckpt, w_up.float(), w_down.float(), d2t), target)
     teacher_head = distill_teacher_head(ckpt, drafter, target, cfg.teacher)
     train_idx, eval_idx = split_sequences(teacher, cfg.eval_every_nth)
-    eval_features = student_features(drafter, teacher, eval_idx, cfg.ttt_steps)
+    eval_features = student_features(drafter, teacher, eval_idx, cfg.ttt_steps, allow_empty=True)
     report: dict[str, Any] = {"teacher": {"sequences": len(teacher), "tokens": teacher.num_tokens,
                                           "cache": str(teacher.folder)}}
     starts = {"svd": (w_up.float(), w_down.float())}
@@ -340,7 +348,8 @@ def init_and_distill(
     for name, (up, down) in starts.items():
         drafter.lm_head = LowRankHead(up.clone(), down.clone())
         loss, per_step = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=cfg.teacher)
-        report["init_kl"][name] = {"step0_kl": per_step[0], "ttt_loss": loss, "per_step": per_step}
+        report["init_kl"][name] = {"step0_kl": finite_or_none(per_step[0]), "ttt_loss": loss,
+                                   "per_step": [finite_or_none(v) for v in per_step]}
     if init not in starts:
         raise SlimSpecError(f"--init must be 'svd' or 'whitened', got {init!r}")
     up, down = starts[init]

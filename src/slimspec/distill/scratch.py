@@ -23,7 +23,7 @@ from slimspec.checkpoint.writer import (
 )
 from slimspec.distill.pipeline import DataOptions, TargetParts, load_target_parts
 from slimspec.distill.teacher import TeacherData, TeacherSettings, aux_layers_for, build_teacher_data
-from slimspec.distill.train import DistillConfig, DistillResult, distill_drafter
+from slimspec.distill.train import DistillConfig, DistillResult, distill_drafter, prepare_checkpoint_dir
 from slimspec.errors import SlimSpecError
 from slimspec.model import Eagle3Drafter, FullHead, LowRankHead
 
@@ -108,6 +108,8 @@ def train_from_scratch(
     """
     out = Path(out)
     check_output_free(out, overwrite)
+    checkpoints = out.parent / f"{out.name}.checkpoints"
+    prepare_checkpoint_dir(checkpoints, resume, overwrite)
     options = data_options or DataOptions()
     cfg = config or DistillConfig()
     cfg.train_backbone = True
@@ -128,8 +130,8 @@ def train_from_scratch(
     dcfg.num_aux_hidden_states = len(settings.aux_layers)
     drafter = init_drafter(dcfg, parts, draft_ids, rank, cfg.seed)
     teacher_head = parts.head[draft_ids] if draft_vocab != parts.head.shape[0] else parts.head
-    result = distill_drafter(drafter, teacher, teacher_head, cfg, checkpoint_dir=out.parent / f"{out.name}.checkpoints",
-                             resume=resume, progress=progress)
+    result = distill_drafter(drafter, teacher, teacher_head, cfg, checkpoint_dir=checkpoints, resume=resume,
+                             progress=progress)
     write_eagle_layout(drafter, dcfg, draft_ids, out, result, target, settings, overwrite, training_extra)
     return out, result
 

@@ -36,14 +36,15 @@ def _available_bytes() -> int:
 
 
 def table_budget() -> int:
-    """Bytes a teacher table may take: ``$SLIMSPEC_TEACHER_TABLE_BYTES``, else a third of the available memory."""
+    """Bytes a teacher table may take: ``$SLIMSPEC_TEACHER_TABLE_BYTES``, else a third of the available memory
+    shared by the processes of this host (torchrun's ``LOCAL_WORLD_SIZE``: each rank builds its own table)."""
     value = os.environ.get(TABLE_BYTES_ENV)
     if value is not None and value.strip():
         try:
             return max(0, int(float(value)))
         except ValueError as error:
             raise SlimSpecError(f"{TABLE_BYTES_ENV} must be a number of bytes, got {value!r}") from error
-    return _available_bytes() // 3
+    return _available_bytes() // 3 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
 
 
 def table_dtype(rows: int, steps: int, vocab: int, budget: int | None = None) -> torch.dtype | None:

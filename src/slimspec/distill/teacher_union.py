@@ -6,6 +6,8 @@ Each cache keeps its own key (prompts, temperature, seed), so a large training s
 
 from __future__ import annotations
 
+import hashlib
+import json
 from itertools import accumulate
 
 import torch
@@ -76,7 +78,10 @@ def concat_teacher_data(parts: list[TeacherData]) -> TeacherData:
     for p in parts:
         starts.append(p.starts[1:] + at)
         at += p.num_tokens
-    manifest = {"parts": [{"key": p.manifest.get("key"), "folder": str(p.folder) if p.folder else None,
+    keys = [p.manifest.get("key") for p in parts]
+    # one key for the joined data, in part order (what `distill --resume` checks a checkpoint's data against)
+    key = hashlib.sha256(json.dumps(keys).encode()).hexdigest()[:20] if all(keys) else None
+    manifest = {"key": key, "parts": [{"key": p.manifest.get("key"), "folder": str(p.folder) if p.folder else None,
                            "num_sequences": len(p), "num_tokens": p.num_tokens} for p in parts],
                 "num_sequences": sum(len(p) for p in parts), "num_tokens": at,
                 "settings": [p.manifest.get("settings") for p in parts]}

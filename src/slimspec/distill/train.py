@@ -89,12 +89,23 @@ class DistillResult:
     config: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "history"} | {
+        """JSON-ready: the held-out KLs are None where no held-out answer position exists (NaN is not JSON)."""
+        out = {k: v for k, v in asdict(self).items() if k != "history"} | {
             "losses": [h["loss"] for h in self.history], "history_tail": self.history[-5:]}
+        for key in ("kl_before", "kl_after"):
+            out[key] = finite_or_none(out[key])
+            out[f"{key}_per_step"] = [finite_or_none(v) for v in out[f"{key}_per_step"]]
+        return out
+
+
+def finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def split_sequences(teacher: TeacherData, every_nth: int) -> tuple[list[int], list[int]]:
     """(train, eval) sequence indices: every n-th sequence is held out (at least one, never all)."""
+    if every_nth == 1:
+        raise SlimSpecError("eval_every_nth = 1 would hold out every sequence (use 0 for the default one, or >= 2)")
     n = len(teacher)
     held = [i for i in range(n) if every_nth > 0 and i % every_nth == every_nth - 1] or ([n - 1] if n > 1 else [])
     train = [i for i in range(n) if i not in set(held)] or list(range(n))
@@ -208,13 +219,14 @@ def repeated_prefixes(teacher: TeacherData, indices: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list[int], steps: int,
                      progress: bool = False, all_positions: bool = False,
-                     source_rows: bool = False) -> StudentFeatures:
+                     source_rows: bool = False, allow_empty: bool = False) -> StudentFeatures:
     """Frozen-backbone features of the given sequences' answer positions (rows with some loss weight).
 
     ``all_positions``: every position, each with weight 1 (prompt positions too). Only for the ``drafter``
     teacher, whose targets are the source head's outputs on these very states, not the next tokens.
     ``source_rows``: teacher rows index ``source_states`` (the drafter teacher while the backbone trains).
     A (position, TTT step) whose tokens an earlier sequence shares (``repeated_prefixes``) gets weight 0.
+    ``allow_empty`` (held-out sets, which may hold no answer position): no rows instead of an error.
     """
     parts = []
     repeated = repeated_prefixes(teacher, indices)
@@ -229,6 +241,9 @@ def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list
             keep = weight.sum(1) > 0  # prompt positions teach nothing: batches are drawn from answers only
             if bool(keep.any()):
                 parts.append((hidden[keep], teacher_index[keep], weight[keep]))
+    if not parts and allow_empty:
+        return StudentFeatures(hidden=torch.zeros(0, steps, drafter.config.hidden_size),
+                               teacher_index=torch.zeros(0, steps, dtype=torch.long), weight=torch.zeros(0, steps))
     if not parts:
         raise SlimSpecError(f"no teacher sequence has answer tokens to learn from (each needs more than {steps} "
                             "tokens, some of them answer tokens)")
@@ -422,6 +437,20 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def prepare_checkpoint_dir(folder: Path, resume: bool, overwrite: bool) -> None:
+    """Before a run that saves into ``folder``: checkpoints of an earlier run there are continued (``resume``),
+    removed (``overwrite``: a fresh run's saves would otherwise rank below them as "latest"), or refused."""
+    last = latest_checkpoint(folder) if folder.is_dir() else None
+    if resume or last is None:
+        return
+    if not overwrite:
+        raise SlimSpecError(f"{folder} holds checkpoints of an earlier run (latest {last.name}): --resume continues "
+                            "it, --overwrite starts over")
+    if _world()[0] == 0:
+        for path in folder.glob("step-*.pt"):
+            path.unlink(missing_ok=True)
+
+
 def distill_drafter(
     drafter: Eagle3Drafter,
     teacher: TeacherData,
@@ -452,7 +481,7 @@ def distill_drafter(
     # The drafter teacher with a training backbone scores the source backbone's states, computed once here.
     frozen = kind == "drafter" and cfg.train_backbone
     source = source_states(drafter, teacher, train_idx + eval_idx, k, progress) if frozen else None
-    eval_features = student_features(drafter, teacher, eval_idx, k, source_rows=frozen)
+    eval_features = student_features(drafter, teacher, eval_idx, k, source_rows=frozen, allow_empty=True)
     kl_before, kl_before_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=kind,
                                              source=source)
     train_features = None if cfg.train_backbone else student_features(drafter, teacher, train_idx, k, progress,
@@ -547,7 +576,7 @@ def distill_drafter(
     seconds = time.perf_counter() - started
     drafter.requires_grad_(False)
     if cfg.train_backbone:
-        eval_features = student_features(drafter, teacher, eval_idx, k, source_rows=frozen)
+        eval_features = student_features(drafter, teacher, eval_idx, k, source_rows=frozen, allow_empty=True)
     kl_after, kl_after_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=kind,
                                            source=source)
     return DistillResult(steps=cfg.steps, kl_before=kl_before_steps[0], kl_after=kl_after_steps[0],
