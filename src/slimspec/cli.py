@@ -348,6 +348,8 @@ def _print_push(plan, dry_run: bool) -> None:
                f"{' (private)' if plan.private else ''}:")
     for name, size in plan.files.items():
         click.echo(f"  {name:<24} {size:>14,} bytes")
+    if plan.extra.get("not_pushed"):
+        click.echo(f"not pushed (not checkpoint files): {', '.join(plan.extra['not_pushed'])}")
     click.echo(f"card metadata: {json.dumps(plan.metadata)}")
     if plan.url:
         click.echo(f"url: {plan.url}")

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
 from slimspec.errors import SlimSpecError, first_line
 
 HUB_TAGS = ("speculative-decoding", "eagle3", "slimspec")
+PUSHED_FILES = ("config.json", "slimspec.json", "training.json", "generation_config.json", "README.md",
+                "*.safetensors", "*.safetensors.index.json")
+"""What a push uploads from a folder: a checkpoint's own files (never a stray .env, notes or old weights)."""
+REPLACED_REMOTE = ("*.safetensors", "*.bin", "*.index.json", "*.pt", "slimspec.json", "training.json")
+"""Remote files a push removes unless it uploads them again: a repo's earlier weights (a stale shard index would
+make vLLM load old shards) and reports."""
 
 
 @dataclass
@@ -49,11 +56,14 @@ def validate_folder(folder: Path) -> dict[str, Any]:
 
 def card_with_metadata(folder: Path, report: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The model card text with Hub metadata (base_model, tags) and the measured numbers ensured."""
+    from slimspec.hub import HUB_ID
+
     config = json.loads((folder / "config.json").read_text())
     meta = config.get("slimspec", {})
     source = meta.get("source_drafter") or report.get("source", {}).get("drafter")
     metadata: dict[str, Any] = {"tags": list(HUB_TAGS), "library_name": "vllm"}
-    if source and not Path(source).exists() and "/" in source and not source.startswith("embedded:"):
+    # a Hub id only: a local path (recorded absolute since 0.x, or a relative one) never goes into a public card
+    if source and HUB_ID.match(source) and not Path(source).exists():
         metadata["base_model"] = source
     card_path = folder / "README.md"
     body = card_path.read_text() if card_path.exists() else f"# {folder.name}\n"
@@ -92,17 +102,23 @@ def push(
         raise SlimSpecError(f"{repo_id!r} is not a Hub repo id (owner/name)")
     report = validate_folder(folder)
     card, metadata = card_with_metadata(folder, report)
-    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    found = [p for p in sorted(folder.iterdir()) if p.is_file()]
+    files = {p.name: p.stat().st_size for p in found if any(fnmatch(p.name, pattern) for pattern in PUSHED_FILES)}
     plan = PushPlan(folder=folder, repo_id=repo_id, files=files, metadata=metadata, revision=revision,
                     private=private, commit_message=commit_message or f"Upload SlimSpec drafter (rank "
                     f"{report.get('rank', '?')})")
+    plan.extra["not_pushed"] = [p.name for p in found if p.name not in files]
     if dry_run:
         return plan
     from huggingface_hub import HfApi
 
     api = HfApi()
     try:
-        url = api.create_repo(repo_id, private=private, exist_ok=True)
+        # None keeps an organisation's default visibility; False would make a new repo public
+        url = api.create_repo(repo_id, private=True if private else None, exist_ok=True)
+        if private and not api.repo_info(repo_id).private:
+            raise SlimSpecError(f"{repo_id} exists and is public: --private cannot apply to it (make it private on "
+                                "the Hub first, or push without --private); nothing uploaded")
         if revision:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
@@ -113,7 +129,7 @@ def push(
             (staged / "README.md").unlink(missing_ok=True)
             (staged / "README.md").write_text(card)
             api.upload_folder(repo_id=repo_id, folder_path=staged, revision=revision,
-                              commit_message=plan.commit_message)
+                              commit_message=plan.commit_message, delete_patterns=list(REPLACED_REMOTE))
     except SlimSpecError:
         raise
     except Exception as exc:  # auth, network, permissions: one line, never the token

@@ -16,6 +16,8 @@ TOKEN = "hf_NOTREAL_secret_token_42"
 
 class FakeHub(BaseHTTPRequestHandler):
     calls: list = []
+    public: set = set()  # repos that exist and are public (others are private once created with private=True)
+    remote_files: list = []  # what a repo's tree lists before the push
 
     def log_message(self, *args):
         pass
@@ -36,6 +38,12 @@ class FakeHub(BaseHTTPRequestHandler):
         self.calls.append(("GET", self.path, self.headers.get("Authorization"), b""))
         if self.path.startswith("/api/whoami"):
             return self._send(200, {"name": "tester", "type": "user"})
+        if self.path.startswith("/api/models/") and "/tree/" in self.path:
+            return self._send(200, [{"type": "file", "path": f, "size": 1, "oid": "b" * 40}
+                                    for f in self.remote_files])
+        if self.path.startswith("/api/models/"):
+            repo = "/".join(self.path.split("?")[0].split("/")[3:5])
+            return self._send(200, {"id": repo, "private": repo not in self.public, "sha": "a" * 40})
         self._send(404, {"error": "not found"})
 
     def do_POST(self):  # noqa: N802
@@ -62,7 +70,7 @@ class FakeHub(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def hub(monkeypatch):
-    FakeHub.calls = []
+    FakeHub.calls, FakeHub.public, FakeHub.remote_files = [], set(), []
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -179,3 +187,47 @@ def test_card_shows_the_measured_acceptance(tmp_path):
     assert "- rank: 72\n- tau: 1.425\n- rho_tau: 0.881\n" in card
     card, _ = card_with_metadata(tmp_path, {"rank": 72})
     assert "rho_tau" not in card
+
+
+def test_visibility_is_never_made_public_by_us(hub, converted):
+    """Catches `private=False` sent on create (it overrides an organisation's default-private setting: a new repo
+    would be public) and `--private` on an existing public repo uploading publicly while saying "(private)"."""
+    result = CliRunner().invoke(main, ["push", str(converted), "someone/plain"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads([c for c in hub if c[1] == "/api/repos/create"][0][3])
+    assert payload.get("private") is not False and payload.get("visibility") != "public"
+    hub.clear()
+    FakeHub.public = {"someone/open"}
+    result = CliRunner().invoke(main, ["push", str(converted), "someone/open", "--private"])
+    assert result.exit_code == 2 and "exists and is public" in result.stderr
+    assert not [c for c in hub if "/commit/" in c[1]]
+
+
+def test_only_checkpoint_files_are_pushed_and_stale_weights_removed(hub, converted):
+    """Catches a push that uploads whatever lies in the folder (a .env, notes) and one that leaves a repo's earlier
+    shards and index behind (vLLM would follow the stale index and load the old weights)."""
+    (converted / ".env").write_text("HF_TOKEN=secret\n")
+    (converted / "notes.txt").write_text("private notes\n")
+    FakeHub.remote_files = ["README.md", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                            "model-00002-of-00002.safetensors", "LICENSE"]
+    result = CliRunner().invoke(main, ["push", str(converted), "someone/x"])
+    assert result.exit_code == 0, result.output
+    assert "not pushed (not checkpoint files): .env, notes.txt" in result.stdout
+    commit, files = _committed_files(hub)
+    assert set(files) == {"README.md", "config.json", "model.safetensors", "slimspec.json"}
+    deleted = {json.loads(line)["value"]["path"] for line in commit[3].decode().splitlines()
+               if json.loads(line)["key"] == "deletedFile"}
+    assert deleted == {"model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                       "model-00002-of-00002.safetensors"}  # the LICENSE someone added on the Hub stays
+
+
+def test_card_never_names_a_local_path_as_base_model(tmp_path):
+    """Catches a recorded local source (absolute since local sources are recorded so) that no longer exists being
+    published as the card's base_model (a home path in a public card, invalid Hub metadata)."""
+    from slimspec.publish import card_with_metadata
+
+    for source in ("/home/alice/drafters/eagle3-x", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"):
+        (tmp_path / "config.json").write_text(json.dumps({"slimspec": {"rank": 8, "source_drafter": source}}))
+        card, metadata = card_with_metadata(tmp_path, {})
+        assert ("/home/alice" in card) is False and metadata.get("base_model") == (None if source[0] == "/" else
+                                                                                    source)
