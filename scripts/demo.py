@@ -28,7 +28,7 @@ def main() -> int:
     from slimspec import embedded
     from slimspec.distill.pipeline import BRIEF_DISTILL_STEPS, brief_command, brief_distillation, convert_briefly
     from slimspec.distill.teacher import load_target_model
-    from slimspec.evaluate.acceptance import evaluate, load_for_eval
+    from slimspec.evaluate.acceptance import evaluate, load_for_eval, record_tau
     from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
 
     parser = argparse.ArgumentParser(description=__doc__)
@@ -53,7 +53,7 @@ def main() -> int:
     ev = evaluate(str(result.out), target, dataset="mt_bench", num_prompts=args.eval_prompts,
                   max_new_tokens=args.max_new_tokens, baseline=drafter, progress=True)
     eval_seconds = time.perf_counter() - eval_started
-    record_tau(result.out, ev, args.max_new_tokens)
+    record_tau(result.out, ev)
     d, rank = r["hidden_size"], r["rank"]
     source_rows = r["head_params_source"] // d
     lat = head_latency(r["head_vocab"], d, rank, batch=1, source_vocab=source_rows)
@@ -89,19 +89,6 @@ def main() -> int:
     print(f"\noutput: {result.out}   (serve: see README; push: slimspec push {result.out} YOU/NAME)")
     print(f"[demo] done in {time.perf_counter() - start:.0f}s", file=sys.stderr)
     return 0
-
-
-def record_tau(folder: Path, ev: dict, max_new_tokens: int) -> None:
-    """Keep the measured tau and rho_tau in the output's slimspec.json (`slimspec bench OUT --kappa` and the model
-    card of `slimspec push` read them)."""
-    import json
-
-    path = folder / "slimspec.json"
-    report = json.loads(path.read_text())
-    report.update(tau=ev["tau"], rho_tau=ev["rho_tau"], tau_source=ev["baseline"]["tau"],
-                  tau_settings={"dataset": "mt_bench", "num_prompts": ev["num_prompts"], "draft_tokens": 4,
-                                "temperature": 0.0, "max_new_tokens": max_new_tokens, "engine": "reference"})
-    path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def print_plane(drafter: str, target: str, ev: dict, lat: dict, report: dict, out: Path, kappa: float,

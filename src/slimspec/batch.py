@@ -47,8 +47,8 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
             data = yaml.safe_load(text)
         elif path.suffix == ".jsonl":
             rows = [json.loads(line) for line in text.split("\n") if line.strip()]
-            defaults = rows[0]["defaults"] if rows and set(rows[0]) == {"defaults"} else {}
-            data = {"defaults": defaults, "jobs": rows[1:] if defaults else rows}
+            header = bool(rows) and isinstance(rows[0], dict) and set(rows[0]) == {"defaults"}
+            data = {"defaults": rows[0]["defaults"] if header else {}, "jobs": rows[1:] if header else rows}
         else:
             data = json.loads(text)
     except Exception as exc:  # yaml or json syntax: one line
@@ -59,6 +59,8 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
     if not isinstance(data, dict) or not isinstance(data.get("jobs"), list):
         raise SlimSpecError(f"{path}: expected a list of jobs, or {{defaults: ..., jobs: [...]}}")
     defaults = data.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise SlimSpecError(f"{path}: defaults must be a mapping of job options")
     jobs = []
     for i, job in enumerate(data["jobs"]):
         if not isinstance(job, dict):
@@ -71,6 +73,10 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
             raise SlimSpecError(f"{path}: job {i + 1} has no drafter")
         merged.setdefault("name", merged.get("out") or f"job{i + 1}")
         jobs.append(merged)
+    outs = [Path(str(job["out"])).resolve() for job in jobs if job.get("out")]
+    shared = sorted({str(out) for out in outs if outs.count(out) > 1})
+    if shared:  # each would replace the other's output, on every run
+        raise SlimSpecError(f"{path}: several jobs write to {', '.join(shared)}; give each job its own out")
     return jobs
 
 
@@ -86,6 +92,21 @@ def job_fingerprint(job: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def inputs_identity(job: dict[str, Any]) -> str | None:
+    """Size and modification time of the job's local inputs (drafter, target, data files): a folder retrained or
+    replaced in place makes an earlier output stale although the job's options are the same. None if all its
+    inputs are Hub ids (their revision is part of the fingerprint when pinned)."""
+    stamps = []
+    for key in ("drafter", "target", "data"):
+        for value in job.get(key) if isinstance(job.get(key), list) else [job.get(key)]:
+            path = Path(str(value)) if value else None
+            if path is None or not path.exists():
+                continue
+            files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
+            stamps += [(key, str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.sha256(json.dumps(stamps).encode()).hexdigest()[:16] if stamps else None
+
+
 def _batch_job(out: Path) -> str | None:
     """The fingerprint of the batch job whose complete conversion ``out`` holds, or None."""
     try:
@@ -94,9 +115,13 @@ def _batch_job(out: Path) -> str | None:
         return None
 
 
-def finished(out: Path, fingerprint: str) -> bool:
-    """True if ``out`` holds a complete conversion of exactly this job."""
-    return _batch_job(out) == fingerprint
+def finished(out: Path, fingerprint: str, inputs: str | None = None) -> bool:
+    """True if ``out`` holds a complete conversion of exactly this job, from inputs as they are now (``inputs``:
+    :func:`inputs_identity`; outputs written before it was recorded count as current)."""
+    if _batch_job(out) != fingerprint:
+        return False
+    recorded = json.loads((out / "slimspec.json").read_text()).get("batch_inputs", inputs)
+    return recorded == inputs
 
 
 def written_by_batch(out: Path) -> bool:
@@ -111,12 +136,13 @@ def run_job(job: dict[str, Any]) -> JobResult:
     start = time.perf_counter()
     fingerprint = job_fingerprint(job)
     out = Path(job.get("out") or f"{model_name(str(job['drafter']))}-slimspec-{fingerprint[:8]}")
-    if finished(out, fingerprint) and not job.get("push_to"):
+    inputs = inputs_identity(job)
+    if finished(out, fingerprint, inputs) and not job.get("push_to") and not job.get("eval_prompts"):
         report = json.loads((out / "slimspec.json").read_text())
         return JobResult(job=job["name"], status="skipped", out=str(out), rank=report.get("rank"),
                          tau=report.get("tau"))
     tau = None
-    if finished(out, fingerprint):
+    if finished(out, fingerprint, inputs):
         report = json.loads((out / "slimspec.json").read_text())
         status = "skipped"
     else:
@@ -132,12 +158,14 @@ def run_job(job: dict[str, Any]) -> JobResult:
                          target_revision=job.get("target_revision"),
                          progress=False, stitch=job.get("stitch", "target"), init=job.get("init", "auto"),
                          distill_steps=int(job.get("distill_steps", 0)), data_options=options,
-                         extra_report={"batch_job": fingerprint})
+                         extra_report={"batch_job": fingerprint, "batch_inputs": inputs})
         report, status = result.report, "done"
     if job.get("eval_prompts"):
-        from slimspec.evaluate.acceptance import evaluate
+        from slimspec.evaluate.acceptance import evaluate, record_tau
 
-        tau = evaluate(str(out), job.get("target"), num_prompts=int(job["eval_prompts"]), progress=False)["tau"]
+        measured = evaluate(str(out), job.get("target"), num_prompts=int(job["eval_prompts"]), progress=False)
+        record_tau(out, measured)  # in slimspec.json: later skips report it, the pushed card shows it
+        tau = measured["tau"]
     pushed = None
     if job.get("push_to"):
         from slimspec.publish import push

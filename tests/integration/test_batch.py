@@ -41,6 +41,10 @@ def test_batch_is_idempotent_and_reruns_changed_jobs(tmp_path):
     manifest.write_text(yaml.safe_dump(doc))
     _, rows = _run(manifest)
     assert [r["status"] for r in rows.values()] == ["skipped", "done"] and rows[str(tmp_path / "o2")]["rank"] == 5
+    # a drafter retrained in place (same options, other weights) makes its output stale
+    write_drafter(tmp_path / "d1", "eagle", Spec(seed=9))
+    _, rows = _run(manifest)
+    assert [r["status"] for r in rows.values()] == ["done", "skipped"]
 
 
 def test_killed_job_leaves_nothing_that_looks_finished(tmp_path):
@@ -98,6 +102,34 @@ def test_bad_manifest_is_one_line(tmp_path):
     (tmp_path / "m.json").write_text(json.dumps({"jobs": [{"drafter": "x", "rnak": 3}]}))
     result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.json")])
     assert result.exit_code == 2 and "unknown option(s) rnak" in result.stderr
+    # an empty defaults header is a header, not a job; defaults that are not a mapping; two jobs sharing an out
+    (tmp_path / "m.jsonl").write_text('{"defaults": {}}\n{"drafter": "x", "rank": 3}\n')
+    from slimspec.batch import read_manifest
+
+    assert [job["drafter"] for job in read_manifest(tmp_path / "m.jsonl")] == ["x"]
+    for name, text, needle in (
+            ("d.yaml", "defaults: [1]\njobs: [{drafter: x}]", "defaults must be a mapping"),
+            ("o.yaml", "jobs: [{drafter: a, out: same}, {drafter: b, out: ./same}]", "several jobs write to")):
+        (tmp_path / name).write_text(text)
+        result = CliRunner().invoke(main, ["batch", str(tmp_path / name)])
+        assert result.exit_code == 2 and needle in result.stderr and result.stderr.count("\n") == 1, result.output
+
+
+def test_rerun_with_eval_prompts_measures_and_records_tau(tiny_target, tmp_path):
+    """Catches a finished job that returned before `eval_prompts` (tau null on every rerun) and a measured tau that
+    was never kept in slimspec.json (later skips and the pushed card would not show it)."""
+    write_drafter(tmp_path / "d", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32))
+    job = {"drafter": str(tmp_path / "d"), "target": str(tiny_target), "rank": 8, "out": str(tmp_path / "o")}
+    manifest = tmp_path / "jobs.json"
+    manifest.write_text(json.dumps([job]))
+    _, rows = _run(manifest)
+    assert rows[str(tmp_path / "o")]["status"] == "done" and rows[str(tmp_path / "o")]["tau"] is None
+    manifest.write_text(json.dumps([{**job, "eval_prompts": 1}]))
+    _, rows = _run(manifest)
+    row = rows[str(tmp_path / "o")]
+    assert row["status"] == "skipped" and row["tau"] >= 1.0
+    saved = json.loads((tmp_path / "o" / "slimspec.json").read_text())
+    assert saved["tau"] == row["tau"] and saved["tau_settings"]["num_prompts"] == 1
 
 
 def test_import_is_light_and_api_is_complete():

@@ -135,6 +135,20 @@ def evaluate(
     return report
 
 
+def record_tau(folder: str | Path, report: dict[str, Any]) -> None:
+    """Keep an :func:`evaluate` report's tau (and rho_tau, with a baseline) in ``folder``'s slimspec.json, with the
+    settings it was measured at (`slimspec bench --kappa` and the card of `slimspec push` read them)."""
+    path = Path(folder) / "slimspec.json"
+    saved = json.loads(path.read_text())
+    saved["tau"] = report["tau"]
+    if "rho_tau" in report:
+        saved.update(rho_tau=report["rho_tau"], tau_source=report["baseline"]["tau"])
+    saved["tau_settings"] = {"dataset": report["dataset"], "num_prompts": report["num_prompts"],
+                             "draft_tokens": report["draft_tokens"], "temperature": report["temperature"],
+                             "max_new_tokens": report["max_new_tokens"], "engine": "reference"}
+    path.write_text(json.dumps(saved, indent=2) + "\n")
+
+
 @torch.no_grad()
 def target_greedy(target_model, prompt_ids: list[int], max_new_tokens: int, eos: int | list[int] | None
                   ) -> list[int]:
