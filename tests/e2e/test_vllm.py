@@ -326,6 +326,21 @@ def test_checkpoint_missing_a_factor_is_refused(constant_pair, tmp_path):
     assert not report["ok"] and "lm_head_down.weight" in report["error"], report
 
 
+def test_draft_vocab_checkpoint_missing_d2t_is_refused(target, tmp_path):
+    """The plugin refuses a draft-vocabulary checkpoint without ``d2t``: vLLM would keep its all-zero map and
+    propose target token i for draft id i (wrong tokens, never an error)."""
+    from safetensors.torch import load_file, save_file
+
+    original = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)
+    broken = slimspec.convert(str(original), embedded.EMBEDDED_TARGET, "d/8", vocab="draft", out=tmp_path / "no-d2t",
+                              progress=False).out
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["d2t"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    report = _check(target, drafter=broken, prompts=_prompts()[:1])
+    assert not report["ok"] and "lacks d2t" in report["error"], report
+
+
 def test_qwen3_drafter_class(tmp_path):
     """A converted Qwen3 (speculators layout) drafter is served by our Qwen3 subclass with its own head."""
     from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -148,9 +148,11 @@ class LowRankHeadMixin(nn.Module):
 
         super().load_weights(tracked())
         missing = [name for name in HEAD_TENSORS if name not in seen]
+        if self.draft_id_to_target_id is not None and not any("d2t" in name for name in seen):
+            missing.append("d2t")  # vLLM's zeros would map draft id i to target id i: silently wrong tokens
         if missing:
             raise ValueError(f"SlimSpec checkpoint lacks {', '.join(missing)}: refusing to run an "
-                             "uninitialised low-rank head")
+                             "uninitialised low-rank head or draft vocabulary")
 
 
 class SlimSpecEagle3LlamaForCausalLM(LowRankHeadMixin, Eagle3LlamaForCausalLM):
