@@ -17,11 +17,11 @@ from slimspec.errors import CheckpointError, first_line
 Role = Literal["drafter", "target", "model"]  # "model": a target that will run (all its weights)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-DRAFTER_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
-                    "pytorch_model.bin.index.json"]
+SAFETENSORS_PATTERNS = ["*.safetensors", "model.safetensors.index.json"]
+BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 TARGET_META_PATTERNS = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
-                        "*.jinja", "vocab.json", "merges.txt", "model.safetensors.index.json",
-                        "pytorch_model.bin.index.json"]
+                        "added_tokens.json", "chat_template.json", "*.jinja", "*.tiktoken", "vocab.json",
+                        "merges.txt", "model.safetensors.index.json", "pytorch_model.bin.index.json"]
 
 
 def _snapshot(repo_id: str, patterns: list[str], revision: str | None) -> Path:
@@ -48,7 +48,17 @@ def target_weight_patterns(folder: Path) -> list[str]:
                 if name in weight_map:
                     return [weight_map[name]]
             raise CheckpointError(f"{index}: names no lm_head or embedding tensor")
-    return ["model.safetensors", "pytorch_model.bin"]
+    return []  # unsharded: the one weight file (see _snapshot_weights)
+
+
+def _snapshot_weights(repo_id: str, patterns: list[str], safetensors: list[str], pickles: list[str],
+                      revision: str | None) -> Path:
+    """``patterns`` and the safetensors weights; the pickled ones only where a repo has no safetensors (repos
+    often publish both: never download a model twice)."""
+    folder = _snapshot(repo_id, patterns + safetensors, revision)
+    if any(folder.glob("*.safetensors")):
+        return folder
+    return _snapshot(repo_id, patterns + pickles, revision)
 
 
 def resolve_model(name: str, role: Role, revision: str | None = None) -> Path:
@@ -68,11 +78,11 @@ def resolve_model(name: str, role: Role, revision: str | None = None) -> Path:
     if not HUB_ID.match(name) or name.startswith((".", "/", "~")):
         raise CheckpointError(f"{name}: no such folder, and not a Hub id (owner/name)")
     if role == "drafter":
-        return _snapshot(name, DRAFTER_PATTERNS, revision)
-    if role == "model":
-        folder = _snapshot(name, TARGET_META_PATTERNS + ["*.safetensors"], revision)
-        if not any(folder.glob("*.safetensors")):  # a target published as pickles only (weights_only loads them)
-            folder = _snapshot(name, TARGET_META_PATTERNS + ["pytorch_model*.bin"], revision)
-        return folder
+        return _snapshot_weights(name, ["config.json"], SAFETENSORS_PATTERNS, BIN_PATTERNS, revision)
+    if role == "model":  # a target that runs: all its weights (pickles only where it has no safetensors)
+        return _snapshot_weights(name, TARGET_META_PATTERNS, ["*.safetensors"], ["pytorch_model*.bin"], revision)
     folder = _snapshot(name, TARGET_META_PATTERNS, revision)
-    return _snapshot(name, TARGET_META_PATTERNS + target_weight_patterns(folder), revision)
+    shards = target_weight_patterns(folder)  # the one shard with the head or tied embedding
+    if shards:
+        return _snapshot(name, TARGET_META_PATTERNS + shards, revision)
+    return _snapshot_weights(name, TARGET_META_PATTERNS, ["model.safetensors"], ["pytorch_model.bin"], revision)

@@ -97,3 +97,28 @@ def test_running_target_published_as_bin_downloads_its_weights(fake_hub):
     local = resolve_model("org/bin-target", "model", revision="v1")
     assert (local / "pytorch_model.bin").exists() and (local / "config.json").exists()
     assert [c[2] for c in calls] == ["v1", "v1"]
+
+
+@pytest.mark.parametrize("role", ["drafter", "target", "model"])
+def test_repo_with_both_weight_formats_downloads_one(fake_hub, tmp_path, role):
+    """Catches patterns that fetch model.safetensors and pytorch_model.bin both when a repo publishes the two (an
+    8B target twice), and a target whose chat_template.json / added_tokens.json stay behind (other chat ids)."""
+    from safetensors.torch import load_file
+
+    hub, _ = fake_hub
+    folder = hub / "org" / "both"
+    if role == "drafter":
+        write_drafter(folder, "eagle", Spec())  # pytorch_model.bin; add the same tensors as safetensors
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in torch.load(folder / "pytorch_model.bin").items()
+                   if k != "midlayer.self_attn.rotary_emb.inv_freq"}, str(folder / "model.safetensors"))
+    else:
+        write_target(folder)
+        torch.save(load_file(str(folder / "model.safetensors")), folder / "pytorch_model.bin")
+        (folder / "chat_template.json").write_text('{"chat_template": "x"}')
+        (folder / "added_tokens.json").write_text("{}")
+    local = resolve_model("org/both", role)
+    assert (local / "model.safetensors").exists() and not (local / "pytorch_model.bin").exists()
+    if role != "drafter":
+        assert (local / "chat_template.json").exists() and (local / "added_tokens.json").exists()
