@@ -129,16 +129,26 @@ def drafter_info(llm: Any) -> dict[str, Any]:
 
 
 def checkpoint_head(folder: str) -> dict[str, Any]:
-    """lm_head.weight, lm_head_down.weight (SlimSpec) and d2t from a drafter folder, as float tensors."""
+    """lm_head.weight, lm_head_down.weight (SlimSpec) and d2t from a drafter folder (one file or shards; a Hub id
+    is read from the local Hub cache vLLM filled), as float tensors."""
+    import glob
+
     import torch
 
-    path = os.path.join(folder, "model.safetensors")
-    if os.path.exists(path):
+    if not os.path.isdir(folder):
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(folder, allow_patterns=["*.safetensors", "pytorch_model*.bin"])
+    tensors: dict[str, Any] = {}
+    shards = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if shards:
         from safetensors.torch import load_file
 
-        tensors = load_file(path)
+        for shard in shards:
+            tensors.update(load_file(shard))
     else:
-        tensors = torch.load(os.path.join(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        for shard in sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin"))):
+            tensors.update(torch.load(shard, map_location="cpu", weights_only=True))
     return {"up": tensors["lm_head.weight"].double(), "down": tensors.get("lm_head_down.weight"),
             "d2t": tensors.get("d2t")}
 
@@ -247,7 +257,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if in_process:  # the probes run a local function in the worker: not serialisable to an engine process
             report.update(drafter_info(llm))
             if args.check_head:
-                report["head_check"] = head_check(llm, args.drafter)
+                try:  # diagnostics: a check that cannot read the checkpoint must not fail a good run
+                    report["head_check"] = head_check(llm, args.drafter)
+                except Exception as exc:
+                    report["head_check"] = {"error": f"{type(exc).__name__}: {exc}"}
     return report
 
 
