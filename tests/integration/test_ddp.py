@@ -10,6 +10,15 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+def _free_port() -> str:
+    """A port nothing listens on now (a fixed one collides with another run on the machine)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
 def _run(args, env, timeout: int = 900):
     """The one JSON summary the run printed (only rank 0 prints under torchrun)."""
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
@@ -27,7 +36,7 @@ def test_two_processes_match_one(tiny_converted, tiny_target, tmp_path):
     common = ["distill", str(tiny_converted), "-t", str(tiny_target), "--steps", "6", "--num-prompts", "6",
               "--max-new-tokens", "10", "--batch-tokens", "256", "--json", "-q"]
     one = _run([sys.executable, "-m", "slimspec", *common, "-o", str(tmp_path / "one")], env)
-    two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
                 "-m", "slimspec", *common, "-o", str(tmp_path / "two")], env)
     assert len(one["losses"]) == len(two["losses"]) == 6
     for a, b in zip(one["losses"], two["losses"], strict=True):
@@ -43,7 +52,7 @@ def test_backbone_training_with_a_rank_that_draws_no_sequence(tiny_converted, ti
     common = ["distill", str(tiny_converted), "-t", str(tiny_target), "--steps", "3", "--num-prompts", "6",
               "--max-new-tokens", "10", "--batch-tokens", "1", "--train-backbone", "--json", "-q"]
     one = _run([sys.executable, "-m", "slimspec", *common, "-o", str(tmp_path / "one")], env)
-    two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29518",
+    two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
                 "-m", "slimspec", *common, "-o", str(tmp_path / "two")], env, timeout=300)
     assert len(two["losses"]) == 3
     for a, b in zip(one["losses"], two["losses"], strict=True):

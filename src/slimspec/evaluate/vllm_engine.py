@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[3]
 PYTHON_ENV = "SLIMSPEC_VLLM_PYTHON"  # the vLLM venv's python (default: <repo>/.venv-vllm/bin/python)
 SCRIPT_ENV = "SLIMSPEC_VLLM_CHECK"  # the check script (default: <repo>/scripts/vllm_check.py)
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-              "VLLM_LOGGING_STREAM": "ext://sys.stderr", "TOKENIZERS_PARALLELISM": "false"}
+              "VLLM_LOGGING_STREAM": "ext://sys.stderr", "TOKENIZERS_PARALLELISM": "false",
+              "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}  # no usage report to stats.vllm.ai
 
 
 def vllm_python() -> Path:
