@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -156,3 +157,85 @@ def test_trimmed_drafter_keeps_the_eagle_3_1_norm_output_recurrence(tmp_path):
     assert ckpt.config.norm_output
     trimmed = load_drafter(write_trimmed(ckpt, torch.arange(40), tmp_path / "trim"))
     assert trimmed.config.norm_output
+
+
+def _edit_bin(folder, **changes) -> None:
+    """Add (or with None, remove) tensors of an EAGLE-layout drafter's pytorch_model.bin."""
+    tensors = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    for name, value in changes.items():
+        name = name.replace("__", ".")
+        if value is None:
+            tensors.pop(name, None)
+        else:
+            tensors[name] = value
+    torch.save(tensors, folder / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize(("tensor", "needle"), [
+    ("layers.1.self_attn.q_proj.weight", "more than one decoder layer"),
+    ("model.layers.2.mlp.up_proj.weight", "more than one decoder layer"),
+    ("lm_head.bias", "LM head with a bias"),
+    ("midlayer.self_attn.q_norm.weight", "both self_attn.q_norm and self_attn.k_norm"),
+])
+def test_drafter_parts_that_would_be_dropped_are_refused(tmp_path, tensor, needle):
+    """Catches a second decoder layer, an LM-head bias or half of Qwen3's q/k norms loaded without them: the
+    conversion (and vLLM) would run another model than the published one, with no error."""
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    _edit_bin(tmp_path / "d", **{tensor.replace(".", "__"): torch.ones(4)})
+    with pytest.raises(CheckpointError, match=needle):
+        load_drafter(tmp_path / "d")
+
+
+def test_full_size_draft_vocab_in_another_order_keeps_target_order(tmp_path):
+    """Catches `--vocab draft` on a drafter whose draft vocab is the whole vocabulary but permuted by d2t: the
+    output has no d2t, so its rows must be in target order (they were left in draft order: wrong tokens)."""
+    write_drafter(tmp_path / "d", "eagle", Spec(draft_vocab=None))
+    write_target(tmp_path / "t")
+    head = torch.load(tmp_path / "d" / "pytorch_model.bin", weights_only=True)["lm_head.weight"]
+    shutil.copytree(tmp_path / "d", tmp_path / "p")
+    perm = torch.randperm(head.shape[0], generator=torch.Generator().manual_seed(3))
+    _edit_bin(tmp_path / "p", lm_head__weight=head[perm].clone(), d2t=perm - torch.arange(perm.numel()),
+              t2d=torch.ones(perm.numel(), dtype=torch.bool))
+    products = []
+    for name in ("d", "p"):
+        out = slimspec.convert(str(tmp_path / name), str(tmp_path / "t"), 8, vocab="draft",
+                               out=tmp_path / f"{name}-o", progress=False).out
+        ckpt = load_drafter(out)
+        assert ckpt.d2t is None
+        products.append(ckpt.tensors["lm_head.weight"].double() @ ckpt.tensors["lm_head_down.weight"].double())
+    torch.testing.assert_close(products[1], products[0], rtol=1e-5, atol=1e-6)
+
+
+def test_untied_target_never_uses_its_embedding_as_head(tmp_path):
+    """Catches a target whose config says `tie_word_embeddings: false` but whose head sits under a name not
+    looked for: its input embedding was taken as the LM head (another matrix), reported as tied. The multimodal
+    `language_model.*` names are looked for."""
+    from safetensors.torch import load_file, save_file
+
+    from slimspec.checkpoint import load_target_head
+
+    head = write_target(tmp_path / "t", tied=False)
+    tensors = load_file(str(tmp_path / "t" / "model.safetensors"))
+    tensors["language_model.lm_head.weight"] = tensors.pop("lm_head.weight")
+    save_file(tensors, str(tmp_path / "t" / "model.safetensors"))
+    found = load_target_head(tmp_path / "t")
+    assert found.tensor_name == "language_model.lm_head.weight" and torch.equal(found.weight, head)
+    tensors["vision_tower.lm_head.weight"] = tensors.pop("language_model.lm_head.weight")
+    save_file(tensors, str(tmp_path / "t" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="tie_word_embeddings: false"):
+        load_target_head(tmp_path / "t")
+
+
+def test_output_folder_never_contains_an_input(tmp_path):
+    """Catches `--out` set to the target's folder or to a folder holding the drafter: `--overwrite` replaced (and
+    so deleted) that model. Also a mistyped --init is refused before any work."""
+    write_drafter(tmp_path / "models" / "d", "eagle", Spec())
+    write_target(tmp_path / "t")
+    for out, needle in ((tmp_path / "models", "contains"), (tmp_path / "t", "is the folder of")):
+        with pytest.raises(SlimSpecError, match=needle):
+            slimspec.convert(str(tmp_path / "models" / "d"), str(tmp_path / "t"), 8, out=out, overwrite=True,
+                             progress=False)
+    assert (tmp_path / "models" / "d" / "config.json").exists() and (tmp_path / "t" / "model.safetensors").exists()
+    with pytest.raises(SlimSpecError, match="--init must be"):
+        slimspec.convert(str(tmp_path / "models" / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o", init="whitend",
+                         progress=False)

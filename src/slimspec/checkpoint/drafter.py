@@ -7,6 +7,7 @@ draft token ``i`` is target token ``i + d2t[i]`` (true for every format, frequen
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ LAYER_TENSORS = (
 )
 OPTIONAL_LAYER_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
+EXTRA_LAYER = re.compile(r"(^|\.)layers\.[1-9][0-9]*\.")
 
 
 @dataclass
@@ -321,6 +323,11 @@ def load_drafter(folder: str | Path) -> DrafterCheckpoint:
     dropped: list[str] = []
     for name in files:
         canon = _canonical_name(name)
+        if EXTRA_LAYER.search(name):
+            raise CheckpointError(f"{folder}: tensor {name!r}: a drafter with more than one decoder layer is not "
+                                  "supported (EAGLE-3 drafters have one; the others would be dropped)")
+        if name.endswith("lm_head.bias"):
+            raise CheckpointError(f"{folder}: {name!r}: an LM head with a bias is not supported")
         if canon is None and name.endswith(".bias") and any(p in name for p in LAYER_PREFIXES):
             raise CheckpointError(f"{folder}: layer tensor {name!r}: a decoder layer with biases (e.g. Qwen2-style "
                                   "attention) is not supported; only Llama- and Qwen3-style EAGLE-3 layers are")
@@ -330,6 +337,8 @@ def load_drafter(folder: str | Path) -> DrafterCheckpoint:
             raise CheckpointError(f"{folder}: tensors {mapping[canon]!r} and {name!r} both map to {canon!r}")
         else:
             mapping[canon] = name
+    if ("midlayer.self_attn.q_norm.weight" in mapping) != ("midlayer.self_attn.k_norm.weight" in mapping):
+        raise CheckpointError(f"{folder}: a Qwen3-style layer needs both self_attn.q_norm and self_attn.k_norm")
     missing = [n for n in ("fc.weight", "norm.weight") if n not in mapping]
     missing += ["midlayer." + n for n in LAYER_TENSORS if "midlayer." + n not in mapping]
     if missing:

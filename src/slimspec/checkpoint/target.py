@@ -11,14 +11,17 @@ import torch
 from slimspec.checkpoint.files import read_json, read_tensors, weight_map
 from slimspec.errors import CheckpointError
 
-HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")
+HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight")
 EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight",
-               "transformer.wte.weight")
+               "language_model.model.embed_tokens.weight", "transformer.wte.weight")
 
 
 def head_tensor_candidates(config: dict[str, Any]) -> tuple[str, ...]:
-    """Tensor names that may hold the target's LM head, in order of preference."""
-    tied = bool(config.get("tie_word_embeddings", False))
+    """Tensor names that may hold the target's LM head, in order of preference. A config that says its head is
+    not tied never falls back to the input embedding (that would be another matrix, silently)."""
+    tied = config.get("tie_word_embeddings")
+    if tied is False:
+        return HEAD_NAMES
     return EMBED_NAMES + HEAD_NAMES if tied else HEAD_NAMES + EMBED_NAMES
 
 
@@ -64,7 +67,8 @@ def load_target_head(folder: str | Path) -> TargetHead:
             weight = read_tensors(files, [name])[name]
             break
     else:
-        raise CheckpointError(f"{folder}: target has neither lm_head.weight nor a tied embedding")
+        untied = " (its config says tie_word_embeddings: false)" if config.get("tie_word_embeddings") is False else ""
+        raise CheckpointError(f"{folder}: target has neither lm_head.weight nor a tied embedding{untied}")
     if weight.dim() != 2:
         raise CheckpointError(f"{folder}: {name} is not a matrix")
     hidden = config.get("hidden_size")

@@ -80,6 +80,15 @@ def eagle_config_json(cfg: DrafterConfig, draft_vocab: int, aux_convention: str 
     return config
 
 
+def _distilled(report: dict[str, Any]) -> str:
+    """How the factors were distilled after their start, for the card's first sentence ('' if they were not)."""
+    distill = report.get("distill")
+    if not distill:
+        return ""
+    teacher = (distill.get("config") or {}).get("teacher", "target")
+    return f", then distilled {distill.get('steps')} steps against the {teacher}'s distribution (full-vocabulary KL)"
+
+
 def model_card(*, drafter_id: str, target_id: str, rank: int, hidden: int, report: dict[str, Any],
                out_name: str) -> str:
     """README.md with Hub metadata, what was done, the numbers, and how to serve it."""
@@ -100,7 +109,8 @@ def model_card(*, drafter_id: str, target_id: str, rank: int, hidden: int, repor
         "",
         f"An EAGLE-3 drafter for `{target_id}` whose LM head was replaced by SlimSpec's low-rank pair",
         f"`W_up (V x {rank}) @ W_down ({rank} x {hidden})` (rank r = {rank} = d/{hidden / rank:.3g}),",
-        f"initialised from an SVD of the head of `{drafter_id}`.",
+        f"initialised from {'a whitened SVD' if report.get('init') == 'whitened' else 'an SVD'} of the head of "
+        f"`{drafter_id}`{_distilled(report)}.",
         "",
         "| quantity | value |",
         "|---|---|",

@@ -78,11 +78,16 @@ def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: Voc
     head = ckpt.head_weight()
     cfg = ckpt.config
     if vocab == "draft":
-        if head is not None:
-            return head.float().clone(), head.shape[0]
-        if target is None:
+        if head is None and target is None:
             raise SlimSpecError("the drafter has no LM head of its own: --target is needed to factorise the target's")
-        return target.weight[ckpt.draft_to_target_ids()].float().clone(), 0
+        ids = ckpt.draft_to_target_ids()
+        rows = head.float().clone() if head is not None else target.weight[ids].float().clone()
+        if rows.shape[0] == cfg.vocab_size and not torch.equal(ids, torch.arange(rows.shape[0])):
+            # a full-size draft vocab in another order: the output has no d2t, so its rows go in target order
+            ordered = torch.empty_like(rows)
+            ordered[ids] = rows
+            rows = ordered
+        return rows, head.shape[0] if head is not None else 0
     if target is None:
         raise SlimSpecError("--vocab full needs --target (rows outside the draft vocab come from the target's head)")
     if cfg.hidden_size != target.hidden_size:
@@ -104,10 +109,20 @@ def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: Voc
     return weight, head.shape[0]
 
 
-def check_not_the_source(out: Path, source: Path) -> None:
-    """Refuse an output folder that is the drafter's own (``--overwrite`` would replace the source)."""
-    if out.resolve() == Path(source).resolve():
-        raise SlimSpecError(f"--out {out} is the drafter's own folder: write the conversion elsewhere")
+def check_not_the_source(out: Path, *inputs: Path | str | None) -> None:
+    """Refuse an output folder that is, or contains, an input model's folder (the drafter, the target): writing
+    there (with ``--overwrite``) would replace or delete that model."""
+    where = Path(out).resolve()
+    for model in inputs:
+        if model is None or not Path(model).exists():
+            continue
+        path = Path(model).resolve()
+        if where == path:
+            raise SlimSpecError(f"--out {out} is the drafter's own folder: write the conversion elsewhere"
+                                if model is inputs[0] else f"--out {out} is the folder of {model}: write elsewhere")
+        if where in path.parents:
+            raise SlimSpecError(f"--out {out} contains {model}: replacing it would delete that model; "
+                                "write the conversion elsewhere")
 
 
 def portable(model: str) -> str:
@@ -172,6 +187,8 @@ def convert(
 
     if vocab not in ("full", "draft"):
         raise SlimSpecError(f"--vocab must be 'full' or 'draft', got {vocab!r}")
+    if init not in ("auto", "svd", "whitened"):  # before any download or teacher data
+        raise SlimSpecError(f"--init must be auto, svd or whitened; got {init!r}")
     if isinstance(dtype, str):
         if dtype.lower() not in DTYPES:
             raise SlimSpecError(f"--dtype must be one of bf16, fp16, fp32; got {dtype!r}")
@@ -197,6 +214,8 @@ def convert(
         target = str(target)
         with stages.stage("load_target", f"reading target head {target}"):
             target_path = resolve_model(target, "target", target_revision)
+            if out is not None:
+                check_not_the_source(Path(out), drafter_path, target_path)
             target_head = load_target_head(target_path)
         validate_against_target(ckpt, target_head)
     cfg = ckpt.config
@@ -210,7 +229,7 @@ def convert(
     if out is None and r is not None:
         out = Path(f"{model_name(drafter)}-slimspec-r{r}")
         check_output_free(out, overwrite)
-        check_not_the_source(out, drafter_path)
+        check_not_the_source(out, drafter_path, target_path if target is not None else None)
     with stages.stage("gram", f"Gram matrix of the {weight.shape[0]}x{hidden} head"):
         gram = gram_matrix(weight)
     with stages.stage("spectrum", "singular values"):
@@ -246,6 +265,9 @@ def convert(
             w_up, w_down, distill_report = init_and_distill(
                 ckpt, weight, r, w_up, w_down, d2t_out, load_target_parts(target, target_revision), options, dcfg, init,
                 progress)
+    svd_err = rel_err
+    if distill_report is not None:  # the written factors, not the SVD start they replaced
+        rel_err = relative_error(weight, w_up.float(), w_down.float())
     energy = float(s2[:r].sum() / s2.sum()) if float(s2.sum()) > 0 else 1.0
     source_rows = ckpt.head_weight().shape[0] if ckpt.has_head else weight.shape[0]
     out_dtype = dtype or ckpt.dtype
@@ -282,6 +304,7 @@ def convert(
         "rows_from_target": head_vocab - rows_from_drafter,
         "energy_kept": energy,
         "relative_frobenius_error": rel_err,
+        "svd_relative_frobenius_error": svd_err,
         "head_params_source": source_rows * hidden,
         "head_params": r * hidden + head_vocab * r,
         "head_flop_ratio": (r * hidden + head_vocab * r) / (source_rows * hidden),
