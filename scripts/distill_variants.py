@@ -17,7 +17,8 @@ KL(student || teacher) (mode-seeking; a materialised loss, ~3x slower) instead o
 adds ``a`` x cross-entropy on the target's actual next token (answer rows whose token is in the draft vocabulary),
 ``"focus": eps`` weighs training rows 1 where the source head's argmax is the target's next token and ``eps``
 elsewhere (``"soft"``: the source's probability of that token), and ``"noise": {"kind": "iso"|"data", "scale": s}``
-perturbs the student states while training (see ``with_feature_noise``).
+perturbs the student states while training (see ``with_feature_noise``). ``"train_factor": "up"|"down"`` trains
+one factor only (session 39).
 
     python scripts/distill_variants.py --original '[{"name": "brief"},
         {"name": "v3-1500", "subset": ["1e7de22dbc1c2b3f6d12", 1500], "steps": 600}]'
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     covariance = pipeline.activation_covariance
     table = train.frozen_teacher_table
     distill = pipeline.distill_drafter
+    trainable = train.trainable_parameters
     for variant in json.loads(args.variants):
         v = dict(variant)
         name, rank, teacher = v.pop("name"), v.pop("rank", "d/8"), v.pop("teacher", "drafter")
@@ -82,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         target_ce = float(v.pop("target_ce", 0.0))
         focus = v.pop("focus", None)
         noise = v.pop("noise", None)
+        factor = v.pop("train_factor", None)
+        if factor not in (None, "up", "down"):
+            raise SystemExit(f"{name}: train_factor must be 'up' or 'down', got {factor!r}")
+        train.trainable_parameters = only_factor(trainable, factor) if factor else trainable
         if loss not in ("forward", "reverse"):
             raise SystemExit(f"{name}: loss must be 'forward' or 'reverse', got {loss!r}")
         train.kl_terms = with_target_ce(kl_terms, target_ce) if target_ce else kl_terms
@@ -111,6 +117,20 @@ def main(argv: list[str] | None = None) -> int:
             row["rho"] = row["tau"] / original["tau"]
         record(row)
     return 0
+
+
+def only_factor(trainable_parameters, factor: str):
+    """``train.trainable_parameters`` of a head-only run limited to one factor (``up``: W_up [V, r], ``down``:
+    W_down [r, d]); the other stays at the whitened start (a regulariser: fewer free parameters)."""
+
+    def params(drafter, train_backbone):
+        chosen = [getattr(drafter.lm_head, factor)]
+        trainable_parameters(drafter, train_backbone)  # sets requires_grad on the head
+        other = drafter.lm_head.down if factor == "up" else drafter.lm_head.up
+        other.requires_grad_(False)
+        return chosen
+
+    return params
 
 
 def shrunk_covariance(covariance, alpha: float):

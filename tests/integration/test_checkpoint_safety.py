@@ -104,6 +104,17 @@ def test_conversion_records_where_its_sources_are(tmp_path, monkeypatch):
     assert meta["source_drafter"] == str(tmp_path / "d") and meta["target"] == str(tmp_path / "t")
     assert meta["source_revision"] == "r1" and meta["target_revision"] == "t1"
     assert load_drafter(out).recorded("target_revision") == "t1"
+    # eval and distill reuse it for the recorded target, named or not, and never for another target
+    ckpt = load_drafter(out)
+    assert ckpt.target_revision_for(None) == ckpt.target_revision_for(str(tmp_path / "t")) == "t1"
+    assert ckpt.target_revision_for("org/other-target") is None
+    from slimspec.evaluate.acceptance import load_for_eval
+
+    seen = []
+    monkeypatch.setattr(hub, "resolve_model", lambda name, role, revision=None: seen.append(revision) or
+                        real(name, role))
+    load_for_eval(str(out), str(tmp_path / "t"))
+    assert "t1" in seen
 
 
 def test_bin_rewritten_in_place_is_read_again(tmp_path):

@@ -91,6 +91,13 @@ class DrafterCheckpoint:
         """The target this drafter names: SlimSpec's own record, else its config's verifier/base model."""
         return self.recorded("target") or self.config.target_model
 
+    def target_revision_for(self, target: str | None) -> str | None:
+        """The target revision this drafter was converted against, for ``target`` (None: the one it names); None
+        when another target is given (its revision is that model's own business)."""
+        if target is None or str(target) in (self.recorded("target"), self.named_target):
+            return self.recorded("target_revision")
+        return None
+
     def recorded(self, key: str) -> Any:
         """A value SlimSpec recorded in this checkpoint's config (``"slimspec"`` section), or None."""
         return (self.raw_config.get("slimspec") or {}).get(key)

@@ -222,7 +222,7 @@ def distill(
         options.data = data
     source = resolve_model(str(checkpoint), "drafter")
     ckpt = load_drafter(source)
-    target_revision = None if target else ckpt.recorded("target_revision")  # the one it was converted against
+    target_revision = ckpt.target_revision_for(target)  # the one it was converted against
     target = target or target_of(str(checkpoint), ckpt)
     out = Path(out) if out is not None else Path(f"{model_name(str(checkpoint))}-distilled")
     if out.resolve() != Path(source).resolve():

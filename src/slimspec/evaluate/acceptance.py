@@ -68,7 +68,7 @@ def load_for_eval(drafter: str, target: str | None):
     from slimspec.hub import resolve_model
 
     ckpt = load_drafter(resolve_model(drafter, "drafter"))
-    revision = None if target else ckpt.recorded("target_revision")
+    revision = ckpt.target_revision_for(target)  # also when the recorded target is named explicitly
     target = target or target_of(drafter, ckpt)
     parts = load_target_parts(target, revision)
     layers = aux_layers_for(ckpt.config.aux_layer_ids, ckpt.layout, parts.num_layers, ckpt.aux_convention)
@@ -125,7 +125,8 @@ def evaluate(
             outputs[name].append(out)
             stats.add(s)
         results[name] = _stats_dict(stats, len(prompts))
-    report = {**results["drafter"], "drafter": drafter, "target": target, "dataset": dataset,
+    report = {**results["drafter"], "drafter": drafter, "target": target, "target_path": str(parts.path),
+              "dataset": dataset,
               "draft_tokens": draft_tokens, "temperature": temperature, "max_new_tokens": max_new_tokens}
     if baseline is not None:
         report["baseline"] = {**results["baseline"], "drafter": baseline}
@@ -167,7 +168,7 @@ def _evaluate_both(drafter: str, target: str | None, *, dataset: str, num_prompt
     reference = evaluate(drafter, target, dataset=dataset, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                          draft_tokens=draft_tokens, temperature=temperature, seed=seed, baseline=baseline,
                          progress=progress)
-    target_path = resolve_model(reference["target"], "model")
+    target_path = resolve_model(reference["target_path"], "model")  # the revision the reference engine ran
     prompts = eval_prompts(dataset, num_prompts)
 
     def measure(name: str) -> dict[str, Any]:
