@@ -136,10 +136,16 @@ def load_target_parts(target: str, revision: str | None = None) -> TargetParts:
 
 
 def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptions, progress: bool) -> TeacherData:
-    """Teacher data for a drafter (its aux layers, in the convention of its layout unless overridden)."""
+    """Teacher data for a drafter, at the target layers it reads (its config's, in its convention). ``--aux-layers``
+    / ``--aux-convention`` may only confirm them: the drafter's fc was trained on those states, and eval and vLLM
+    feed it those states, so a head fitted to other ones would be served on the wrong features."""
     convention = options.aux_convention or (None if options.aux_layers else ckpt.aux_convention)
     layers = aux_layers_for(options.aux_layers or ckpt.config.aux_layer_ids, ckpt.layout if not options.aux_layers
                             else "override", target.num_layers, convention)
+    own = aux_layers_for(ckpt.config.aux_layer_ids, ckpt.layout, target.num_layers, ckpt.aux_convention)
+    if tuple(layers) != tuple(own):
+        raise SlimSpecError(f"--aux-layers/--aux-convention give target states {tuple(layers)}, but this drafter reads "
+                            f"{tuple(own)} (its config); fix the drafter's eagle_aux_hidden_state_layer_ids instead")
     settings = options.teacher_settings(layers)
     prompts = load_prompts(options.data, limit=options.num_prompts)
     return build_teacher_data(target.path, prompts, settings, progress=progress,
