@@ -99,7 +99,7 @@ def embedded_target_path(*, progress: bool = True) -> Path:
     if _is_complete(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(final.parent / f"{final.name}.lock", progress):
+    with file_lock(final.parent / f"{final.name}.lock", progress):
         if not _is_complete(final):  # another process may have finished while we waited
             _build_target(final, progress)
     return final
@@ -115,7 +115,7 @@ def _say(progress: bool, message: str) -> None:
 
 
 @contextlib.contextmanager
-def _file_lock(lock_path: Path, progress: bool) -> Iterator[None]:
+def file_lock(lock_path: Path, progress: bool) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock_path`` (a no-op where fcntl is missing)."""
     if fcntl is None:  # pragma: no cover
         yield

@@ -471,3 +471,58 @@ def test_same_shaped_target_rebuilds_the_teacher_cache(tiny_target, tmp_path):
     again = build_teacher_data(tiny_target, prompts, settings, cache_root=tmp_path / "c", progress=False)
     stored, expected = own_features(tiny_target, again)
     assert torch.allclose(stored, expected, atol=1e-3, rtol=8e-3)
+    # a cache that cannot be removed (read-only shared cache) must never come back as the other target's data
+    import slimspec.distill.teacher as teacher_module
+
+    real_rmtree = shutil.rmtree
+    try:
+        teacher_module.shutil.rmtree = lambda *a, **k: None
+        with pytest.raises(SlimSpecError, match="another target with the same shapes"):
+            build_teacher_data(other, prompts, settings, cache_root=tmp_path / "c", progress=False)
+    finally:
+        teacher_module.shutil.rmtree = real_rmtree
+
+
+def test_journal_line_cut_by_a_kill_does_not_swallow_the_next(tmp_path):
+    """Catches answers appended right after a line a kill cut off: the next (whole) line merged into the broken
+    one and was lost on resume (the static engine then crashed on a missing batch)."""
+    import json
+
+    from slimspec.distill.teacher import _append_lines
+
+    journal = tmp_path / "j.jsonl"
+    journal.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "tok')
+    _append_lines(journal, json.dumps({"i": 2, "tokens": [3]}) + "\n")
+    rows = []
+    for line in journal.read_text().split("\n"):
+        try:
+            rows.append(json.loads(line)["i"])
+        except (json.JSONDecodeError, KeyError):
+            continue
+    assert rows == [0, 2]
+
+
+def test_a_teacher_build_waits_for_another_of_the_same_key(tiny_target, tmp_path):
+    """Catches two runs building one cache key at once (they numbered, read and deleted each other's batches and
+    journal): a build must wait while another holds the key's lock, then use or finish the cache."""
+    import fcntl
+    import threading
+    import time
+
+    from slimspec.distill.teacher import teacher_location
+
+    prompts = [Prompt("a", "Say hi.")]
+    settings = TeacherSettings(max_new_tokens=4, aux_layers=(1, 2, 3), engine="static", generation_dtype="float32")
+    where = teacher_location(tiny_target, prompts, settings, tmp_path)
+    tmp_path.mkdir(exist_ok=True)
+    done = []
+    with open(tmp_path / f".{where.key}.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        worker = threading.Thread(target=lambda: done.append(
+            build_teacher_data(tiny_target, prompts, settings, cache_root=tmp_path, progress=False)))
+        worker.start()
+        time.sleep(2.0)
+        assert worker.is_alive() and not done and not where.work.exists()  # waiting, nothing written
+        fcntl.flock(held, fcntl.LOCK_UN)
+    worker.join(timeout=120)
+    assert done and (where.folder / "manifest.json").exists()

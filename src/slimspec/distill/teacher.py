@@ -300,8 +300,7 @@ def _generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSett
             tokens = cut_at_stop(generated[row].tolist(), stops)
             results[i] = [t for t in tokens if t != pad or t in stops]
         if journal is not None:
-            with journal.open("a") as f:
-                f.write("".join(json.dumps({"i": i, "tokens": results[i]}) + "\n" for i in idx))
+            _append_lines(journal, "".join(json.dumps({"i": i, "tokens": results[i]}) + "\n" for i in idx))
         progress(len(idx), sum(len(results[i]) for i in idx))
     return [results[i] for i in range(len(prefixes))]
 
@@ -329,24 +328,63 @@ def build_teacher_data(
 
     ``answers``: a saved-answers file of this cache (``slimspec.distill.answers``); with the static engine the
     prompts it answers get their features from one batched forward instead of being decoded again."""
-    from slimspec.distill.answers import load_answers
-
     if settings.engine not in ("transformers", "static"):
         raise SlimSpecError(f"generation engine must be 'transformers' or 'static', got {settings.engine!r}")
     if settings.generation_dtype not in GENERATION_DTYPES:
         raise SlimSpecError(f"generation dtype must be one of {', '.join(GENERATION_DTYPES)}, "
                             f"got {settings.generation_dtype!r}")
+    from slimspec.embedded import file_lock
+
     target_path = Path(target_path)
     where = teacher_location(target_path, prompts, settings, cache_root)
-    key, root, folder, work, num_layers = where.key, where.root, where.folder, where.work, where.num_layers
-    journal = root / f".{key}.responses.jsonl"  # the transformers engine's finished answers
+    manifest = where.folder / "manifest.json"
     content = target_content(target_path)
-    _claim(where, journal, content, progress)
-    if (folder / "manifest.json").exists():
-        return load_teacher_data(folder)
+    if _built_for(manifest, content):  # no lock needed to read a finished cache (read-only shared caches too)
+        return load_teacher_data(where.folder)
+    try:
+        where.root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SlimSpecError(f"teacher cache {where.root} holds no data for this target and cannot be written "
+                            f"({exc.strerror}); set SLIMSPEC_TEACHER_CACHE to a writable folder") from None
+    # one build per key at a time: two runs would number, read and delete each other's batches and journal
+    with file_lock(where.root / f".{where.key}.lock", progress):
+        journal = where.root / f".{where.key}.responses.jsonl"  # the transformers engine's finished answers
+        _claim(where, journal, content, progress)
+        if manifest.exists():  # finished while we waited, or ours already
+            if not _built_for(manifest, content):
+                raise SlimSpecError(f"teacher cache {where.folder} was built for another target with the same "
+                                    "shapes and could not be removed")
+            return load_teacher_data(where.folder)
+        return _build(target_path, prompts, settings, where, journal, content, progress, answers)
+
+
+def _append_lines(path: Path, text: str) -> None:
+    """Append ``text`` (whole lines) to a journal; a line a kill cut off is ended first, so it cannot swallow the
+    next one (readers skip the cut line)."""
+    with path.open("ab") as handle:
+        if handle.tell() > 0:
+            with path.open("rb") as reader:
+                reader.seek(-1, os.SEEK_END)
+                if reader.read(1) != b"\n":
+                    handle.write(b"\n")
+        handle.write(text.encode())
+
+
+def _built_for(manifest: Path, content: str) -> bool:
+    """A finished cache whose target is this one (caches from before the record count as this target's)."""
+    if not manifest.exists():
+        return False
+    return json.loads(manifest.read_text()).get("target_content") in (None, content)
+
+
+def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, where: TeacherLocation,
+           journal: Path, content: str, progress: bool, answers: Path | None) -> TeacherData:
+    """Decode (or read saved answers), take the features and write the cache of ``where`` (its lock held)."""
+    from slimspec.distill.answers import load_answers
+
+    key, root, folder, work, num_layers = where.key, where.root, where.folder, where.work, where.num_layers
     store = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float16 if settings.dtype == "float16" \
         else torch.float32
-    root.mkdir(parents=True, exist_ok=True)
     if settings.responses == "regenerate" and settings.engine == "static":
         from slimspec.distill.static_decode import supports
 
@@ -506,10 +544,11 @@ def _static_generate(model, tokenizer, prefixes: list[list[int]], settings: Teac
             lengths.append(len(seq))
         name = f"batch-{batch_no:05d}.safetensors"
         batch_no += 1
-        save_file({"input_ids": torch.cat(ids), "aux": torch.cat(aux), "final": torch.cat(final)}, str(work / name))
-        with journal.open("a") as f:
-            f.write(json.dumps({"file": name, "rows": idx, "lengths": lengths,
-                                "splits": [len(prefixes[i]) for i in idx]}) + "\n")
+        partial = work / f".{name}.partial"  # a kill mid-write leaves no batch file that looks whole
+        save_file({"input_ids": torch.cat(ids), "aux": torch.cat(aux), "final": torch.cat(final)}, str(partial))
+        os.replace(partial, work / name)
+        _append_lines(journal, json.dumps({"file": name, "rows": idx, "lengths": lengths,
+                                           "splits": [len(prefixes[i]) for i in idx]}) + "\n")
 
     if known:
         _prefill_known(model, prefixes, known, settings, write_batch, progress)
