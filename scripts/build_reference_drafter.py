@@ -373,7 +373,7 @@ def acceptance_by_target_confidence(folder: Path) -> dict:
     ckpt = load_drafter(folder)
     parts = load_target_parts("embedded:smollm2-135m")
     prompts = ROOT.parent / "shared" / "data" / "eval" / "mt_bench.jsonl"
-    teacher = teacher_for(ckpt, parts, DataOptions(data=str(prompts), max_new_tokens=128), True)
+    teacher = teacher_for(ckpt, parts, DataOptions(data=str(prompts), max_new_tokens=128), True, training=False)
     drafter = drafter_model(ckpt, parts)
     feats = student_features(drafter, teacher, list(range(len(teacher))), 1)
     keep = feats.weight[:, 0] > 0

@@ -133,8 +133,8 @@ def main() -> int:
     ckpt = load_drafter(embedded.reference_drafter_path())
     parts = load_target_parts(embedded.EMBEDDED_TARGET)
     eval_sets = {name: teacher_for(ckpt, parts, DataOptions(data=str(EVAL_DIR / f"{name}.jsonl"),
-                                                            max_new_tokens=128), True)
-                 for name in args.measure_on.split(",")}
+                                                            max_new_tokens=128), True, training=False)
+                 for name in args.measure_on.split(",")}  # measured on, never trained on
     measured_on = next(iter(eval_sets.values()))
     source = drafter_model(ckpt, parts)
     originals = {name: chain_agreement(source, data, parts.head) for name, data in eval_sets.items()}

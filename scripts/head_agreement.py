@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     source = drafter_model(ckpt, parts)
     options = DataOptions(data=args.data, max_new_tokens=args.max_new_tokens, engine="static",
                           temperature=args.temperature, seed=args.seed)
-    data = teacher_for(ckpt, parts, options, progress=True)
+    data = teacher_for(ckpt, parts, options, progress=True, training=False)  # measured on, never trained on
     feats = student_features(source, data, list(range(min(len(data), args.sequences))), 3)
     nxt = (feats.teacher_index + 1).clamp(max=data.num_tokens - 1)
     truth = data.input_ids[nxt]

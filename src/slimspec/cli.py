@@ -318,8 +318,10 @@ def _init_distributed() -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist
 
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
+        if not dist.is_initialized():  # other ranks wait while rank 0 builds the teacher data: hours, not 30 min
+            from datetime import timedelta
+
+            dist.init_process_group("gloo", timeout=timedelta(hours=8))
 
 
 @main.command()

@@ -60,3 +60,44 @@ def test_aux_layer_options_may_not_retarget_an_existing_drafter(tmp_path, monkey
         pipeline.teacher_for(ckpt, parts, replace(options, aux_layers=[2, 15, 27]), progress=False)
     with pytest.raises(SlimSpecError, match="fix the drafter"):
         pipeline.teacher_for(ckpt, parts, replace(options, aux_convention="output"), progress=False)
+
+
+def test_prompt_formats_and_the_eval_guard(tmp_path):
+    """Catches prompt rows read wrongly (OpenAI content lists became a list, Alpaca inputs were dropped, a
+    non-object row crashed with a traceback), a mistyped path reported as an unknown Hub dataset, and training
+    prompts that are slimspec's own eval prompts (tau would be measured on the data the head was fitted to)."""
+    from slimspec.distill.prompts import load_prompts
+    from slimspec.evaluate.acceptance import eval_prompts
+
+    rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                       {"type": "image_url", "image_url": "x"}]}]},
+            {"instruction": "Summarize the text below.", "input": "The sky is blue."}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [p.text for p in load_prompts(str(path))] == ["hi", "Summarize the text below.\n\nThe sky is blue."]
+    path.write_text('"just a string"\n')
+    with pytest.raises(SlimSpecError, match="must be an object"):
+        load_prompts(str(path))
+    for spec, needle in ((str(tmp_path / "typo.jsonl"), "no such file"), ("data/typo.jsonl", "no such file"),
+                         (str(tmp_path / "*.parquet"), "matches no file")):
+        with pytest.raises(SlimSpecError, match=needle) as info:
+            load_prompts(spec)
+        assert "dataset" not in str(info.value)
+    leak = tmp_path / "leak.jsonl"
+    leak.write_text(json.dumps({"turns": [eval_prompts("gsm8k", 1)[0]]}) + "\n")
+    assert len(load_prompts(str(leak))) == 1  # measuring on it is fine
+    with pytest.raises(SlimSpecError, match="never train on eval"):
+        load_prompts(str(leak), training=True)
+    load_prompts(None, training=True)  # the shipped calibration set is disjoint from the eval sets
+
+
+def test_equivalent_greedy_settings_share_a_cache_key(tmp_path):
+    """Catches a needless rebuild (and shipped answers missed) when the temperature is given as 0 instead of 0.0 or a
+    seed is set for greedy answers; sampled answers keep their seed in the key."""
+    (tmp_path / "config.json").write_text("{}")
+    prompts = [Prompt(id="a", text="hello")]
+    base = cache_key(tmp_path, prompts, TeacherSettings())
+    assert cache_key(tmp_path, prompts, TeacherSettings(temperature=0)) == base
+    assert cache_key(tmp_path, prompts, TeacherSettings(seed=7)) == base
+    sampled = [cache_key(tmp_path, prompts, TeacherSettings(temperature=1, seed=s)) for s in (1, 2)]
+    assert sampled[0] != sampled[1] and base not in sampled

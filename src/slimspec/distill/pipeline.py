@@ -135,10 +135,12 @@ def load_target_parts(target: str, revision: str | None = None) -> TargetParts:
                        num_layers=int(config["num_hidden_layers"]))
 
 
-def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptions, progress: bool) -> TeacherData:
+def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptions, progress: bool,
+                training: bool = True) -> TeacherData:
     """Teacher data for a drafter, at the target layers it reads (its config's, in its convention). ``--aux-layers``
     / ``--aux-convention`` may only confirm them: the drafter's fc was trained on those states, and eval and vLLM
-    feed it those states, so a head fitted to other ones would be served on the wrong features."""
+    feed it those states, so a head fitted to other ones would be served on the wrong features. ``training``:
+    the data will teach a head (never slimspec's eval prompts); analyses that only measure pass False."""
     convention = options.aux_convention or (None if options.aux_layers else ckpt.aux_convention)
     layers = aux_layers_for(options.aux_layers or ckpt.config.aux_layer_ids, ckpt.layout if not options.aux_layers
                             else "override", target.num_layers, convention)
@@ -147,7 +149,7 @@ def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptio
         raise SlimSpecError(f"--aux-layers/--aux-convention give target states {tuple(layers)}, but this drafter reads "
                             f"{tuple(own)} (its config); fix the drafter's eagle_aux_hidden_state_layer_ids instead")
     settings = options.teacher_settings(layers)
-    prompts = load_prompts(options.data, limit=options.num_prompts)
+    prompts = load_prompts(options.data, limit=options.num_prompts, training=training)
     return build_teacher_data(target.path, prompts, settings, progress=progress,
                               answers=Path(options.answers) if options.answers else None)
 

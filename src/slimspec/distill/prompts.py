@@ -12,6 +12,7 @@ from typing import Any
 from slimspec.errors import SlimSpecError, first_line
 
 TEXT_FIELDS = ("turns", "messages", "conversations", "prompt", "instruction", "question", "text")
+PROMPT_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,23 @@ class Prompt:
     reference: str | None = None
 
 
+def _text(value: Any) -> str | None:
+    """A message's text: a string, or the text parts of an OpenAI-style content list."""
+    if isinstance(value, str):
+        return value if value.strip() else None
+    if isinstance(value, list):
+        parts = [p.get("text") for p in value if isinstance(p, dict) and p.get("type") == "text"]
+        joined = "\n".join(p for p in parts if isinstance(p, str))
+        return joined if joined.strip() else None
+    return None
+
+
 def _first_user_turn(row: dict[str, Any]) -> str | None:
     for field in TEXT_FIELDS:
         value = row.get(field)
+        if field == "instruction" and (instruction := _text(value)):  # Alpaca/Dolly: the instruction + input
+            extra = _text(row.get("input")) or _text(row.get("context"))
+            return f"{instruction}\n\n{extra}" if extra else instruction
         if isinstance(value, str) and value.strip():
             return value
         if isinstance(value, list) and value:
@@ -36,7 +51,7 @@ def _first_user_turn(row: dict[str, Any]) -> str | None:
                 for item in value:
                     role = item.get("role") or item.get("from")
                     if role in ("user", "human"):
-                        return item.get("content") or item.get("value")
+                        return _text(item.get("content") or item.get("value"))
     return None
 
 
@@ -70,10 +85,11 @@ def shipped_calibration_path() -> Path:
 
 
 def load_prompts(spec: str | list[str] | None, *, limit: int | None = None, split: str = "train",
-                 seed: int = 0) -> list[Prompt]:
+                 seed: int = 0, training: bool = False) -> list[Prompt]:
     """Prompts from files/globs, a ``datasets`` id, or (``None``) the calibration set shipped with slimspec.
 
     With ``limit`` below the number of prompts, a seeded random sample of ``limit`` (in source order).
+    ``training``: the prompts will teach a head, so none may be one of slimspec's eval prompts.
     """
     specs = [spec] if isinstance(spec, str) else list(spec or [str(shipped_calibration_path())])
     rows: list[tuple[str, dict[str, Any]]] = []
@@ -85,12 +101,18 @@ def load_prompts(spec: str | list[str] | None, *, limit: int | None = None, spli
                 files = sorted(path.glob("*.jsonl")) + sorted(path.glob("*.parquet")) if path.is_dir() else [path]
                 for file in files:
                     rows += [(f"{file.name}:{i}", r) for i, r in enumerate(_rows_from_file(file))]
-        elif "/" in item and not item.startswith((".", "/")):
+        elif _looks_like_dataset_id(item):
             rows += [(f"{item}:{i}", r) for i, r in enumerate(_load_dataset(item, split))]
+        elif any(c in item for c in "*?["):
+            raise SlimSpecError(f"--data {item}: the pattern matches no file")
         else:
-            raise SlimSpecError(f"--data {item}: no such file, and not a datasets id")
+            raise SlimSpecError(f"--data {item}: no such file" + ("" if Path(item).suffix in PROMPT_SUFFIXES
+                                                                     else ", and not a datasets id (owner/name)"))
     prompts = []
     for rid, row in rows:
+        if not isinstance(row, dict):
+            raise SlimSpecError(f"--data {rid}: a prompt row must be an object with a field among "
+                                f"{', '.join(TEXT_FIELDS)}, got {type(row).__name__}")
         text = _first_user_turn(row)
         if text:
             prompts.append(Prompt(id=str(row.get("id", rid)), text=text, reference=_reference(row)))
@@ -101,7 +123,31 @@ def load_prompts(spec: str | list[str] | None, *, limit: int | None = None, spli
 
         keep = sorted(random.Random(seed).sample(range(len(prompts)), limit))
         prompts = [prompts[i] for i in keep]
+    if training:
+        check_not_eval(prompts)
     return prompts
+
+
+def _looks_like_dataset_id(item: str) -> bool:
+    """``owner/name`` without a file suffix or pattern: a ``datasets`` id (a mistyped path is not one)."""
+    parts = item.split("/")
+    return (len(parts) == 2 and all(parts) and not item.startswith((".", "~"))
+            and Path(item).suffix not in PROMPT_SUFFIXES and not any(c in item for c in "*?["))
+
+
+def check_not_eval(prompts: list[Prompt]) -> None:
+    """Refuse training prompts that are slimspec's eval prompts (mt_bench, humaneval, gsm8k first turns): tau
+    measured on prompts the head was fitted to would flatter it. Measuring on them is fine (``training=False``)."""
+    from importlib import resources
+
+    held_out = set()
+    for name in ("mt_bench", "humaneval", "gsm8k"):
+        text = resources.files("slimspec").joinpath(f"data/eval/{name}.jsonl").read_text(encoding="utf-8")
+        held_out |= {json.loads(line)["turns"][0].strip() for line in text.split("\n") if line.strip()}
+    shared = [p.id for p in prompts if p.text.strip() in held_out]
+    if shared:
+        raise SlimSpecError(f"{len(shared)} training prompts are slimspec's eval prompts (e.g. {shared[0]}): never "
+                            "train on eval data")
 
 
 def _load_dataset(name: str, split: str) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ def scratch_teacher(parts: TargetParts, options: DataOptions, progress: bool) ->
 
     settings = options.teacher_settings(aux_layers_for(options.aux_layers, "eagle", parts.num_layers,
                                                        options.aux_convention))
-    prompts = load_prompts(options.data, limit=options.num_prompts)
+    prompts = load_prompts(options.data, limit=options.num_prompts, training=True)
     answers = Path(options.answers) if options.answers else None
     return build_teacher_data(parts.path, prompts, settings, progress=progress, answers=answers), settings
 

@@ -183,6 +183,9 @@ def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSetting
     fields = asdict(settings)
     if fields["engine"] == "transformers" or fields["responses"] != "regenerate":  # keys as before the choice
         del fields["engine"]
+    fields["temperature"] = float(fields["temperature"])  # 0 and 0.0 are one setting
+    if fields["temperature"] <= 0:
+        fields["seed"] = 0  # greedy answers do not depend on the seed
     payload = {"v": CACHE_VERSION, "target": target_fingerprint(target_path), "prompts": prompts_fingerprint(prompts),
                "settings": fields}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
@@ -383,6 +386,9 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
     from slimspec.distill.answers import load_answers
 
     key, root, folder, work, num_layers = where.key, where.root, where.folder, where.work, where.num_layers
+    if answers is not None and (settings.engine != "static" or settings.responses != "regenerate") and progress:
+        print(f"[slimspec] saved answers {answers} are read by the static engine's regenerated answers only: "
+              "unused here", file=sys.stderr)
     store = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float16 if settings.dtype == "float16" \
         else torch.float32
     if settings.responses == "regenerate" and settings.engine == "static":
@@ -395,6 +401,9 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
                       file=sys.stderr)
         known = load_answers(answers, key) if answers is not None else {}
         generator_model, tokenizer = load_target_model(target_path, dtype=getattr(torch, settings.generation_dtype))
+        if not supports(generator_model, settings.max_length + settings.max_new_tokens) and answers and progress:
+            print(f"[slimspec] the static engine does not support this target: saved answers {answers} unused, "
+                  "decoding with transformers' generate", file=sys.stderr)
         if supports(generator_model, settings.max_length + settings.max_new_tokens):
             prefixes = [_chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
             _static_generate(generator_model, tokenizer, prefixes, settings, work, store, progress, known)

@@ -29,7 +29,7 @@ def eval_prompts(dataset: str, num_prompts: int | None) -> list[str]:
             raise SlimSpecError(f"--dataset {dataset}: cannot read it ({exc})") from None
     try:
         rows = [json.loads(line) for line in text.split("\n") if line.strip()]
-        prompts = [r["turns"][0] for r in rows]
+        prompts = [r["turns"] if isinstance(r["turns"], str) else r["turns"][0] for r in rows]  # a string: one turn
     except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
         raise SlimSpecError(f"--dataset {dataset}: expected jsonl rows with a 'turns' list ({exc})") from None
     return prompts[:num_prompts] if num_prompts else prompts
