@@ -130,6 +130,14 @@ def test_rerun_with_eval_prompts_measures_and_records_tau(tiny_target, tmp_path)
     assert row["status"] == "skipped" and row["tau"] >= 1.0
     saved = json.loads((tmp_path / "o" / "slimspec.json").read_text())
     assert saved["tau"] == row["tau"] and saved["tau_settings"]["num_prompts"] == 1
+    # a ratio recorded at other settings (e.g. by --rank auto) does not survive beside a tau measured without a baseline
+    from slimspec.evaluate.acceptance import record_tau
+
+    (tmp_path / "o" / "slimspec.json").write_text(json.dumps({**saved, "rho_tau": 0.5, "tau_source": 3.0}))
+    record_tau(tmp_path / "o", {"tau": 1.5, "dataset": "mt_bench", "num_prompts": 2, "draft_tokens": 4,
+                                "temperature": 0.0, "max_new_tokens": 8})
+    again = json.loads((tmp_path / "o" / "slimspec.json").read_text())
+    assert again["tau"] == 1.5 and "rho_tau" not in again and "tau_source" not in again
 
 
 def test_import_is_light_and_api_is_complete():

@@ -215,6 +215,12 @@ def test_full_size_draft_vocab_in_another_order_keeps_target_order(tmp_path):
         assert ckpt.d2t is None
         products.append(ckpt.tensors["lm_head.weight"].double() @ ckpt.tensors["lm_head_down.weight"].double())
     torch.testing.assert_close(products[1], products[0], rtol=1e-5, atol=1e-6)
+    # the drafter teacher of such a student is in target order too (it taught row i with draft row i)
+    from slimspec.distill.pipeline import load_target_parts, self_teacher_head
+
+    parts = load_target_parts(str(tmp_path / "t"))
+    teachers = [self_teacher_head(load_drafter(tmp_path / name), parts, head.shape[0]) for name in ("d", "p")]
+    torch.testing.assert_close(teachers[1], teachers[0])
 
 
 def test_untied_target_never_uses_its_embedding_as_head(tmp_path):

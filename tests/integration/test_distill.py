@@ -197,6 +197,11 @@ def test_one_prompt_has_no_held_out_kl(tiny_converted, tiny_target, tmp_path):
     summary = json.loads(result.stdout)
     assert summary["kl_before"] is None and summary["kl_after"] is None and len(summary["losses"]) == 2
     assert all(v is None for v in summary["kl_after_per_step"])
+    def strict(text):  # NaN is not JSON: other tools' parsers refuse it
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} written"))
+
+    for name in ("config.json", "slimspec.json"):
+        strict((tmp_path / "one" / name).read_text())
 
 
 def test_nan_stops_with_clear_message(tiny_converted, tiny_target, tmp_path):

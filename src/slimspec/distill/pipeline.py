@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -183,7 +184,8 @@ def self_teacher_head(ckpt: DrafterCheckpoint, target: TargetParts, rows: int) -
     own = ckpt.head_weight()
     ids = ckpt.draft_to_target_ids()
     head = (own if own is not None else target.head[ids]).float()
-    if rows == head.shape[0]:
+    in_target_order = rows == target.head.shape[0] and not torch.equal(ids, torch.arange(ids.numel()))
+    if rows == head.shape[0] and not in_target_order:  # the student's rows are the source's draft rows
         return torch.cat([head, head.new_zeros(rows, 1)], dim=1)
     if rows != target.head.shape[0] or ids.numel() != head.shape[0]:
         raise SlimSpecError(f"no drafter teacher for a {rows}-token head (source head has {head.shape[0]} rows)")
@@ -277,7 +279,8 @@ def write_distilled(source: Path, ckpt: DrafterCheckpoint, drafter: Eagle3Drafte
     config = dict(ckpt.raw_config)
     if isinstance(config.get("slimspec"), dict):
         config["slimspec"] = {**config["slimspec"], "distilled_steps": result.steps,
-                              "kl_before": result.kl_before, "kl_after": result.kl_after}
+                              "kl_before": finite_or_none(result.kl_before),
+                              "kl_after": finite_or_none(result.kl_after)}
     with atomic_folder(out, overwrite) as tmp:
         save_tensors(tmp / "model.safetensors", tensors)
         write_json(tmp / "config.json", config)
@@ -285,8 +288,9 @@ def write_distilled(source: Path, ckpt: DrafterCheckpoint, drafter: Eagle3Drafte
         card = source / "README.md"
         if card.exists():
             text = card.read_text()
-            text += (f"\n## Distillation\n\n{result.steps} steps of full-vocabulary KL against `{target}`: "
-                     f"step-0 KL {result.kl_before:.4f} -> {result.kl_after:.4f} on held-out tokens.\n")
+            kl = (f"step-0 KL {result.kl_before:.4f} -> {result.kl_after:.4f} on held-out tokens"
+                  if math.isfinite(result.kl_before) else "no held-out answer tokens to measure the KL on")
+            text += f"\n## Distillation\n\n{result.steps} steps of full-vocabulary KL against `{target}`: {kl}.\n"
             (tmp / "README.md").write_text(text)
         load_drafter(tmp)  # the folder must read back
 

@@ -144,6 +144,9 @@ def record_tau(folder: str | Path, report: dict[str, Any]) -> None:
     saved["tau"] = report["tau"]
     if "rho_tau" in report:
         saved.update(rho_tau=report["rho_tau"], tau_source=report["baseline"]["tau"])
+    else:  # an older ratio was measured at other settings: it must not sit beside this tau
+        saved.pop("rho_tau", None)
+        saved.pop("tau_source", None)
     saved["tau_settings"] = {"dataset": report["dataset"], "num_prompts": report["num_prompts"],
                              "draft_tokens": report["draft_tokens"], "temperature": report["temperature"],
                              "max_new_tokens": report["max_new_tokens"], "engine": "reference"}
