@@ -103,30 +103,28 @@ def inputs_identity(job: dict[str, Any]) -> str | None:
             if path is None or not path.exists():
                 continue
             files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
-            stamps += [(key, str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+            stamps += [(key, str(p), st.st_size, st.st_mtime_ns) for p in files if (st := p.stat())]
     return hashlib.sha256(json.dumps(stamps).encode()).hexdigest()[:16] if stamps else None
 
 
-def _batch_job(out: Path) -> str | None:
-    """The fingerprint of the batch job whose complete conversion ``out`` holds, or None."""
+def _batch_record(out: Path) -> dict[str, Any]:
+    """The slimspec.json of a complete conversion in ``out`` ({} if there is none)."""
     try:
-        return json.loads((out / "slimspec.json").read_text()).get("batch_job")
+        return json.loads((out / "slimspec.json").read_text())
     except (json.JSONDecodeError, OSError):
-        return None
+        return {}
 
 
 def finished(out: Path, fingerprint: str, inputs: str | None = None) -> bool:
     """True if ``out`` holds a complete conversion of exactly this job, from inputs as they are now (``inputs``:
     :func:`inputs_identity`; outputs written before it was recorded count as current)."""
-    if _batch_job(out) != fingerprint:
-        return False
-    recorded = json.loads((out / "slimspec.json").read_text()).get("batch_inputs", inputs)
-    return recorded == inputs
+    record = _batch_record(out)
+    return record.get("batch_job") == fingerprint and record.get("batch_inputs", inputs) == inputs
 
 
 def written_by_batch(out: Path) -> bool:
     """True if ``out`` holds a conversion an earlier batch job wrote (a batch may replace those without asking)."""
-    return _batch_job(out) is not None
+    return _batch_record(out).get("batch_job") is not None
 
 
 def run_job(job: dict[str, Any]) -> JobResult:

@@ -239,6 +239,7 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
     known = {"hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
              "vocab_size", "draft_vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
              "max_position_embeddings", "hidden_act", "model_type", "architectures", "torch_dtype", "dtype"}
+    rope_theta, rope_scaling = rope_of(layer)
     return DrafterConfig(
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -249,8 +250,8 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
         vocab_size=vocab,
         draft_vocab_size=int(draft_vocab),
         rms_norm_eps=float(layer.get("rms_norm_eps") or 1e-6),
-        rope_theta=rope_of(layer)[0],
-        rope_scaling=rope_of(layer)[1],
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         max_position_embeddings=int(layer.get("max_position_embeddings") or 2048),
         hidden_act=str(layer.get("hidden_act") or "silu"),
         model_type=model_type,

@@ -54,12 +54,13 @@ def scratch_config(target: TargetParts, draft_vocab: int) -> DrafterConfig:
     cfg = {**cfg, **cfg.get("text_config", {})}
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    rope_theta, rope_scaling = rope_of(cfg)
     return DrafterConfig(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
         head_dim=int(cfg.get("head_dim") or hidden // heads), intermediate_size=int(cfg["intermediate_size"]),
         target_hidden_size=hidden, vocab_size=int(target.head.shape[0]), draft_vocab_size=draft_vocab,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_of(cfg)[0],
-        rope_scaling=rope_of(cfg)[1], max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+        rope_scaling=rope_scaling, max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         hidden_act=str(cfg.get("hidden_act", "silu")))
 
 

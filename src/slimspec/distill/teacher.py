@@ -401,10 +401,11 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
                       file=sys.stderr)
         known = load_answers(answers, key) if answers is not None else {}
         generator_model, tokenizer = load_target_model(target_path, dtype=getattr(torch, settings.generation_dtype))
-        if not supports(generator_model, settings.max_length + settings.max_new_tokens) and answers and progress:
+        static = supports(generator_model, settings.max_length + settings.max_new_tokens)
+        if not static and answers and progress:
             print(f"[slimspec] the static engine does not support this target: saved answers {answers} unused, "
                   "decoding with transformers' generate", file=sys.stderr)
-        if supports(generator_model, settings.max_length + settings.max_new_tokens):
+        if static:
             prefixes = [_chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
             _static_generate(generator_model, tokenizer, prefixes, settings, work, store, progress, known)
             del generator_model
