@@ -101,3 +101,28 @@ def test_equivalent_greedy_settings_share_a_cache_key(tmp_path):
     assert cache_key(tmp_path, prompts, TeacherSettings(seed=7)) == base
     sampled = [cache_key(tmp_path, prompts, TeacherSettings(temperature=1, seed=s)) for s in (1, 2)]
     assert sampled[0] != sampled[1] and base not in sampled
+
+
+def test_targets_with_several_eos_ids_get_new_cache_keys(tmp_path):
+    """Catches reuse of a teacher cache built before answers stopped at every generation-config eos: a Llama 3.x
+    style target (eos list) must key differently from the same folder with one eos, whose key (the shipped
+    answers' case) must not change."""
+    from slimspec.distill.teacher import generation_stop_ids
+
+    (tmp_path / "config.json").write_text("{}")
+    prompts = [Prompt(id="a", text="hello")]
+    bare = cache_key(tmp_path, prompts, TeacherSettings())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert generation_stop_ids(tmp_path) == [2]
+    assert cache_key(tmp_path, prompts, TeacherSettings()) == bare
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 2]}))
+    assert cache_key(tmp_path, prompts, TeacherSettings()) == bare
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128009, 128001, 128008]}))
+    assert generation_stop_ids(tmp_path) == [128001, 128008, 128009]
+    several = cache_key(tmp_path, prompts, TeacherSettings())
+    assert several != bare
+    reference = TeacherSettings(responses="reference")  # answers read from the data, not generated: key unchanged
+    (tmp_path / "generation_config.json").unlink()
+    before = cache_key(tmp_path, prompts, reference)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128009, 128001]}))
+    assert cache_key(tmp_path, prompts, reference) == before

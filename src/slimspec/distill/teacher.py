@@ -179,6 +179,17 @@ def _claim(where: TeacherLocation, journal: Path, content: str, progress: bool) 
             pass
 
 
+def generation_stop_ids(target_path: Path) -> list[int]:
+    """The distinct eos ids of a target folder's ``generation_config.json`` (sorted; [] without one)."""
+    path = Path(target_path) / "generation_config.json"
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    ids = [eos] if isinstance(eos, int) else list(eos or []) if isinstance(eos, list) else []
+    return sorted({int(i) for i in ids if isinstance(i, int)})
+
+
 def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSettings) -> str:
     fields = asdict(settings)
     if fields["engine"] == "transformers" or fields["responses"] != "regenerate":  # keys as before the choice
@@ -186,6 +197,12 @@ def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSetting
     fields["temperature"] = float(fields["temperature"])  # 0 and 0.0 are one setting
     if fields["temperature"] <= 0:
         fields["seed"] = 0  # greedy answers do not depend on the seed
+    stops = generation_stop_ids(target_path)
+    if fields["responses"] == "regenerate" and len(stops) > 1:
+        # Answers stop at every generation-config eos since session 39 (before: the tokenizer's eos only). Keys of
+        # targets with one eos, the shipped answers' among them, stay as they were; the others change, so caches
+        # whose answers ran past an eos are not reused.
+        fields["stops"] = stops
     payload = {"v": CACHE_VERSION, "target": target_fingerprint(target_path), "prompts": prompts_fingerprint(prompts),
                "settings": fields}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
