@@ -52,7 +52,7 @@ class DistillConfig:
     backbone_lr: float | None = None  # peak lr of the backbone when it trains (None: ``lr``)
     save_every: int = 0
     seed: int = 0
-    eval_every_nth: int = 10  # every n-th teacher sequence is held out for the KL before/after
+    eval_every_nth: int = 10  # the sequences of every n-th distinct prompt are held out for the KL before/after
     teacher: str = "target"  # "target": the target's distribution; "drafter": the source drafter's own head
     bf16: bool = False  # mixed precision: backbone under bf16 autocast, KL matmuls in bf16 (sums, softmax in fp32)
     teacher_temperature: float = 1.0  # training KL against softmax(teacher logits / T); held-out KL stays at T = 1
@@ -102,13 +102,35 @@ def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def prompt_groups(teacher: TeacherData) -> list[int]:
+    """For each sequence, the index of its prompt among the distinct prompts (in order of first appearance).
+
+    A sequence's prompt is its tokens up to the first answer position; sequences without one (prompt-only text) are
+    each their own prompt. Parts joined from one prompt set (greedy + sampled answers) share prompts."""
+    mask, ids = teacher.loss_mask, teacher.input_ids
+    seen: dict[bytes, int] = {}
+    groups = []
+    for i in range(len(teacher)):
+        a, b = int(teacher.starts[i]), int(teacher.starts[i + 1])
+        answer = mask[a:b].nonzero()
+        end = a + int(answer[0, 0]) + 1 if answer.numel() and int(answer[0, 0]) > 0 else b
+        groups.append(seen.setdefault(ids[a:end].numpy().tobytes() + bytes([end == b]), len(seen)))
+    return groups
+
+
 def split_sequences(teacher: TeacherData, every_nth: int) -> tuple[list[int], list[int]]:
-    """(train, eval) sequence indices: every n-th sequence is held out (at least one, never all)."""
+    """(train, eval) sequence indices: the sequences of every n-th distinct prompt are held out (at least one
+    sequence, never all), so the held-out KL never measures answers to a prompt that was trained on."""
     if every_nth == 1:
         raise SlimSpecError("eval_every_nth = 1 would hold out every sequence (use 0 for the default one, or >= 2)")
     n = len(teacher)
-    held = [i for i in range(n) if every_nth > 0 and i % every_nth == every_nth - 1] or ([n - 1] if n > 1 else [])
-    train = [i for i in range(n) if i not in set(held)] or list(range(n))
+    groups = prompt_groups(teacher)
+    held = [i for i in range(n) if every_nth > 0 and groups[i] % every_nth == every_nth - 1]
+    if not held and n > 1:
+        last = groups[-1]
+        held = [i for i in range(n) if groups[i] == last] if any(g != last for g in groups) else [n - 1]
+    held_set = set(held)
+    train = [i for i in range(n) if i not in held_set] or list(range(n))
     return train, held
 
 
