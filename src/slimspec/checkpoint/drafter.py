@@ -139,6 +139,18 @@ class DrafterCheckpoint:
         d2t = self.d2t
         return ids if d2t is None else ids + d2t.long()
 
+    def rows_in_target_order(self, rows: torch.Tensor) -> torch.Tensor:
+        """A head's rows over the draft vocabulary, in target order where that vocabulary holds every target token
+        in another order (a conversion writes no d2t then, so its rows go in target order); else as given."""
+        ids = self.draft_to_target_ids()
+        if rows.shape[0] != self.config.vocab_size or ids.numel() != rows.shape[0]:
+            return rows
+        if torch.equal(ids, torch.arange(ids.numel())):
+            return rows
+        ordered = torch.empty_like(rows)
+        ordered[ids] = rows
+        return ordered
+
     @property
     def dtype(self) -> torch.dtype:
         ref = self.tensors.get("lm_head.weight", self.tensors["fc.weight"])

@@ -82,12 +82,7 @@ def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: Voc
             raise SlimSpecError("the drafter has no LM head of its own: --target is needed to factorise the target's")
         ids = ckpt.draft_to_target_ids()
         rows = head.float().clone() if head is not None else target.weight[ids].float().clone()
-        if rows.shape[0] == cfg.vocab_size and not torch.equal(ids, torch.arange(rows.shape[0])):
-            # a full-size draft vocab in another order: the output has no d2t, so its rows go in target order
-            ordered = torch.empty_like(rows)
-            ordered[ids] = rows
-            rows = ordered
-        return rows, head.shape[0] if head is not None else 0
+        return ckpt.rows_in_target_order(rows), head.shape[0] if head is not None else 0
     if target is None:
         raise SlimSpecError("--vocab full needs --target (rows outside the draft vocab come from the target's head)")
     if cfg.hidden_size != target.hidden_size:

@@ -184,9 +184,8 @@ def self_teacher_head(ckpt: DrafterCheckpoint, target: TargetParts, rows: int) -
     own = ckpt.head_weight()
     ids = ckpt.draft_to_target_ids()
     head = (own if own is not None else target.head[ids]).float()
-    in_target_order = rows == target.head.shape[0] and not torch.equal(ids, torch.arange(ids.numel()))
-    if rows == head.shape[0] and not in_target_order:  # the student's rows are the source's draft rows
-        return torch.cat([head, head.new_zeros(rows, 1)], dim=1)
+    if rows == head.shape[0]:  # the student's rows are the source's draft rows, as the conversion wrote them
+        return torch.cat([ckpt.rows_in_target_order(head), head.new_zeros(rows, 1)], dim=1)
     if rows != target.head.shape[0] or ids.numel() != head.shape[0]:
         raise SlimSpecError(f"no drafter teacher for a {rows}-token head (source head has {head.shape[0]} rows)")
     out = head.new_zeros(rows, head.shape[1] + 1)
