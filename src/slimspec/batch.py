@@ -14,7 +14,7 @@ from slimspec.errors import SlimSpecError, first_line
 
 JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "init", "distill_steps", "data",
             "num_prompts", "responses", "max_new_tokens", "overwrite", "push_to", "eval_prompts", "revision",
-            "generation_engine", "generation_dtype", "target_revision"}
+            "generation_engine", "generation_dtype", "target_revision", "device"}
 SETTINGS = ("drafter", "target", "rank", "vocab", "dtype", "stitch", "init", "distill_steps", "data", "num_prompts",
             "responses", "max_new_tokens", "revision")
 
@@ -149,7 +149,7 @@ def run_job(job: dict[str, Any]) -> JobResult:
                               max_new_tokens=int(job.get("max_new_tokens", 128)),
                               engine=job.get("generation_engine", "transformers"),
                               generation_dtype=None if job.get("generation_dtype", "auto") == "auto"
-                              else job["generation_dtype"])
+                              else job["generation_dtype"], device=job.get("device"))
         result = convert(str(job["drafter"]), job.get("target"), job.get("rank", "d/8"), vocab=job.get("vocab", "full"),
                          out=out, dtype=job.get("dtype"), revision=job.get("revision"),
                          overwrite=bool(job.get("overwrite")) or written_by_batch(out),

@@ -65,8 +65,14 @@ def data_options(func):
         click.option("--generation-dtype", type=click.Choice(["auto", "bfloat16", "float32", "float16"]),
                      default="auto", show_default=True,
                      help="dtype of the target copy that writes the answers (and, with the static engine, the "
-                          "features). auto: bfloat16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX), "
-                          "else float32 (emulated bf16 decodes 3-4x slower); $SLIMSPEC_GENERATION_DTYPE sets it."),
+                          "features). auto: bfloat16 on a CUDA GPU or where the CPU multiplies bf16 natively "
+                          "(AVX512-BF16, AMX), else float32 (emulated bf16 decodes 3-4x slower); "
+                          "$SLIMSPEC_GENERATION_DTYPE sets it."),
+        click.option("--device", default="auto", show_default=True,
+                     help="Where the target computes the teacher data (answers and features): auto (a CUDA GPU when "
+                          "PyTorch sees one, else the CPU), cpu, cuda or cuda:N. The data is kept on the CPU, where "
+                          "the head's distillation runs; the static engine is CPU-only (on a GPU, generate does "
+                          "the work)."),
         click.option("--aux-layers", help="Target hidden-state indices feeding fc, e.g. 2,15,27 (default: the "
                      "drafter's config, else EAGLE-3's {2, L//2, L-3})."),
         click.option("--aux-convention", type=click.Choice(["input", "output"]),
@@ -120,7 +126,11 @@ def _data_and_config(kw: dict, steps: int):
                           seed=kw["seed"] if temperature > 0 else 0, aux_layers=aux,
                           aux_convention=kw.pop("aux_convention"),
                           engine=kw.pop("generation_engine"),
-                          generation_dtype=None if (g := kw.pop("generation_dtype")) == "auto" else g)
+                          generation_dtype=None if (g := kw.pop("generation_dtype")) == "auto" else g,
+                          device=kw.pop("device"))
+    from slimspec.hardware import resolve_device
+
+    resolve_device(options.device)  # an unusable --device fails now, not after the conversion's first stages
     cfg = DistillConfig(steps=steps, ttt_steps=kw.pop("ttt_steps"), lr=kw.pop("lr"),
                         warmup_steps=kw.pop("warmup_steps"), batch_tokens=kw.pop("batch_tokens"),
                         seed=kw.pop("seed"), teacher=kw.pop("teacher"),

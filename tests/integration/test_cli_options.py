@@ -136,3 +136,18 @@ def test_bench_kappa_times_the_source_head(tiny_converted, tiny_target):
     assert report["kappa"]["lowrank_head_s"] > 0
     nu, kappa = report["head"][0]["nu"], report["kappa"]["kappa"]
     assert report["predicted_rho_tps"] == pytest.approx((1 + kappa) / (1 + nu * kappa))
+
+
+def test_cli_refuses_a_cuda_device_without_a_gpu(tmp_path):
+    """Catches `--device cuda` on a machine without CUDA failing after the conversion's first stages (or being
+    ignored): it is a one-line usage error before any work."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    for command in (["convert", "embedded:smollm2-135m-eagle3", "-o", str(tmp_path / "o")],
+                    ["distill", "embedded:smollm2-135m-eagle3", "-o", str(tmp_path / "d")]):
+        result = CliRunner().invoke(main, [*command, "--device", "cuda"])
+        assert result.exit_code == 2, result.output
+        assert "no CUDA GPU" in result.output
+        assert not (tmp_path / "o").exists() and not (tmp_path / "d").exists()

@@ -24,3 +24,14 @@ def test_gpu_bench_cpu_smoke_passes_its_checks(tmp_path):
     assert "Checks: all passed." in report, report
     assert "[FAIL]" not in proc.stdout
     assert report.count("\n| ") >= 3, report  # header + one row per B at least
+
+
+def test_gpu_teacher_check_cpu_smoke_passes(tmp_path):
+    """Catches a gpu_teacher_check.py (make gpu-bench's teacher-on-GPU check) that crashes or fails its own checks
+    when both builds run on the CPU, where they must agree exactly."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_teacher_check.py"), "--cpu-smoke"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| identical sequences | 12 / 12 |" in proc.stdout, proc.stdout
+    assert "| worst relative feature difference | 0.00e+00 |" in proc.stdout, proc.stdout
+

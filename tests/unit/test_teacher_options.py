@@ -23,15 +23,18 @@ def _prompts(tmp_path: Path) -> str:
 def test_generation_batch_and_answers_reach_the_teacher(tmp_path, monkeypatch):
     """Catches ``DataOptions.generation_batch`` dropped on the way (the reference build's v4 parts decode 256 prompts
     at a time: dropped, they would silently decode 64 and miss the caches a resumed build already wrote), and
-    ``DataOptions.answers`` dropped (a new machine would decode again what its saved answers hold)."""
+    ``DataOptions.answers`` dropped (a new machine would decode again what its saved answers hold), and
+    ``DataOptions.device`` dropped (`--device cuda` would build on the CPU)."""
     seen = []
 
-    def record(path, prompts, settings, progress, answers=None):
+    def record(path, prompts, settings, progress, answers=None, device=None):
         seen.append((settings, answers))
+        assert device == "cpu"
 
     monkeypatch.setattr(scratch, "build_teacher_data", record)
     monkeypatch.setattr(pipeline, "build_teacher_data", record)
-    options = DataOptions(data=_prompts(tmp_path), generation_batch=256, engine="static", answers="a.jsonl.gz")
+    options = DataOptions(data=_prompts(tmp_path), generation_batch=256, engine="static", answers="a.jsonl.gz",
+                          device="cpu")
     scratch.scratch_teacher(SimpleNamespace(path=tmp_path, num_layers=30), options, progress=False)
     ckpt = SimpleNamespace(config=SimpleNamespace(aux_layer_ids=[1, 14, 27]), layout="eagle", aux_convention="input")
     pipeline.teacher_for(ckpt, SimpleNamespace(path=tmp_path, num_layers=30), options, progress=False)

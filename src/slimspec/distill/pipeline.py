@@ -54,7 +54,9 @@ class DataOptions:
     engine: str = "transformers"  # TeacherSettings.engine: "static" decodes and takes features in the same passes
     generation_batch: int = 64  # prompts decoded together (part of the cache key: sampled answers depend on it)
     answers: str | None = None  # saved answers of this teacher data (slimspec.distill.answers): not decoded again
-    generation_dtype: str | None = None  # of the answering copy (None: bf16 where the CPU has it natively, else fp32)
+    generation_dtype: str | None = None  # of the answering copy (None: bf16 on a GPU or where the CPU has it natively,
+    # else fp32)
+    device: str | None = None  # where the target computes the teacher data (None: auto, a CUDA GPU when there is one)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def teacher_settings(self, aux_layers: list[int] | tuple[int, ...]) -> TeacherSettings:
@@ -63,7 +65,8 @@ class DataOptions:
                                temperature=self.temperature, seed=self.seed, max_length=self.max_length,
                                aux_layers=tuple(aux_layers), engine=self.engine,
                                generation_batch=self.generation_batch,
-                               generation_dtype=self.generation_dtype or default_generation_dtype())
+                               generation_dtype=self.generation_dtype
+                               or default_generation_dtype(device=self.device or "auto"))
 
 
 BRIEF_RECIPES = {"drafter": (None, 200, 5e-3), "target": (64, 40, 2e-3)}
@@ -152,7 +155,7 @@ def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptio
     settings = options.teacher_settings(layers)
     prompts = load_prompts(options.data, limit=options.num_prompts, training=training)
     return build_teacher_data(target.path, prompts, settings, progress=progress,
-                              answers=Path(options.answers) if options.answers else None)
+                              answers=Path(options.answers) if options.answers else None, device=options.device)
 
 
 def drafter_model(ckpt: DrafterCheckpoint, target: TargetParts) -> Eagle3Drafter:

@@ -37,7 +37,8 @@ def scratch_teacher(parts: TargetParts, options: DataOptions, progress: bool) ->
                                                        options.aux_convention))
     prompts = load_prompts(options.data, limit=options.num_prompts, training=True)
     answers = Path(options.answers) if options.answers else None
-    return build_teacher_data(parts.path, prompts, settings, progress=progress, answers=answers), settings
+    return build_teacher_data(parts.path, prompts, settings, progress=progress, answers=answers,
+                              device=options.device), settings
 
 
 def frequent_response_tokens(teacher: TeacherData, count: int) -> torch.Tensor:

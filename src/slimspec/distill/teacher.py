@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from slimspec.distill.prompts import Prompt, prompts_fingerprint
 from slimspec.distill.static_decode import cut_at_stop
 from slimspec.errors import SlimSpecError
-from slimspec.hardware import GENERATION_DTYPES, default_generation_dtype
+from slimspec.hardware import GENERATION_DTYPES, default_generation_dtype, resolve_device
 
 Responses = Literal["regenerate", "reference", "none"]
 CACHE_VERSION = 1
@@ -255,8 +255,8 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids))
 
 
-def load_target_model(target_path: Path, dtype: torch.dtype = torch.float32):
-    """The target as a transformers causal LM (eval mode) and its tokenizer."""
+def load_target_model(target_path: Path, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+    """The target as a transformers causal LM (eval mode, on ``device``: default the CPU) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -264,6 +264,8 @@ def load_target_model(target_path: Path, dtype: torch.dtype = torch.float32):
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype)
     model.eval()
+    if device is not None and torch.device(device).type != "cpu":
+        model.to(device)
     return model, tokenizer
 
 
@@ -314,7 +316,8 @@ def _generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSett
                   "pad_token_id": pad}
         if settings.temperature > 0:
             kwargs.update(temperature=settings.temperature, top_k=0, top_p=1.0)
-        generated = model.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, width:]
+        generated = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                   **kwargs)[:, width:].cpu()
         stops = stop_token_ids(model, tokenizer)
         for row, i in enumerate(idx):
             tokens = cut_at_stop(generated[row].tolist(), stops)
@@ -329,10 +332,11 @@ def _generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSett
 def _features(model, ids: list[int], aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Aux hidden states [T, n*Ht] and final normed hidden state [T, Ht] from one target forward."""
     # The base model only: the LM head's [T, V] logits are not needed (and cost ~20 % of the forward).
-    output = model.base_model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    output = model.base_model(input_ids=torch.tensor([ids], device=model.device), output_hidden_states=True,
+                              use_cache=False)
     states = output.hidden_states
     aux = torch.cat([states[i][0] for i in aux_layers], dim=-1)
-    return aux, states[-1][0]
+    return aux.cpu(), states[-1][0].cpu()
 
 
 def build_teacher_data(
@@ -343,11 +347,14 @@ def build_teacher_data(
     cache_root: Path | None = None,
     progress: bool = True,
     answers: Path | None = None,
+    device: torch.device | str | None = None,
 ) -> TeacherData:
     """Teacher data for ``prompts`` (from the cache when the same target, data and settings were used).
 
     ``answers``: a saved-answers file of this cache (``slimspec.distill.answers``); with the static engine the
-    prompts it answers get their features from one batched forward instead of being decoded again."""
+    prompts it answers get their features from one batched forward instead of being decoded again. ``device``:
+    where the target runs (``hardware.resolve_device``: default a CUDA GPU when there is one, else the CPU); the
+    data itself is kept on the CPU and the device is not part of the cache key."""
     if settings.engine not in ("transformers", "static"):
         raise SlimSpecError(f"generation engine must be 'transformers' or 'static', got {settings.engine!r}")
     if settings.generation_dtype not in GENERATION_DTYPES:
@@ -355,6 +362,7 @@ def build_teacher_data(
                             f"got {settings.generation_dtype!r}")
     from slimspec.embedded import file_lock
 
+    device = resolve_device(device)
     target_path = Path(target_path)
     where = teacher_location(target_path, prompts, settings, cache_root)
     manifest = where.folder / "manifest.json"
@@ -375,7 +383,7 @@ def build_teacher_data(
                 raise SlimSpecError(f"teacher cache {where.folder} was built for another target with the same "
                                     "shapes and could not be removed")
             return load_teacher_data(where.folder)
-        return _build(target_path, prompts, settings, where, journal, content, progress, answers)
+        return _build(target_path, prompts, settings, where, journal, content, progress, answers, device)
 
 
 def _append_lines(path: Path, text: str) -> None:
@@ -397,18 +405,29 @@ def _built_for(manifest: Path, content: str) -> bool:
     return json.loads(manifest.read_text()).get("target_content") in (None, content)
 
 
+def uses_static_engine(settings: TeacherSettings, device: torch.device) -> bool:
+    """Whether a build runs the static engine: asked for, for regenerated answers, on the CPU (it is a CPU
+    engine: preallocated CPU caches; on a GPU transformers' ``generate`` and forwards do the work)."""
+    return settings.engine == "static" and settings.responses == "regenerate" and device.type == "cpu"
+
+
 def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, where: TeacherLocation,
-           journal: Path, content: str, progress: bool, answers: Path | None) -> TeacherData:
+           journal: Path, content: str, progress: bool, answers: Path | None,
+           device: torch.device) -> TeacherData:
     """Decode (or read saved answers), take the features and write the cache of ``where`` (its lock held)."""
     from slimspec.distill.answers import load_answers
 
     key, root, folder, work, num_layers = where.key, where.root, where.folder, where.work, where.num_layers
-    if answers is not None and (settings.engine != "static" or settings.responses != "regenerate") and progress:
-        print(f"[slimspec] saved answers {answers} are read by the static engine's regenerated answers only: "
-              "unused here", file=sys.stderr)
+    static_engine = uses_static_engine(settings, device)
+    if settings.engine == "static" and not static_engine and settings.responses == "regenerate" and progress:
+        print(f"[slimspec] the static engine runs on the CPU only: on {device} answers and features come from "
+              "transformers' generate and forwards", file=sys.stderr)
+    if answers is not None and not static_engine and progress:
+        print(f"[slimspec] saved answers {answers} are read by the static engine's regenerated answers (on the CPU) "
+              "only: unused here", file=sys.stderr)
     store = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float16 if settings.dtype == "float16" \
         else torch.float32
-    if settings.responses == "regenerate" and settings.engine == "static":
+    if static_engine:
         from slimspec.distill.static_decode import supports
 
         if answers is None and (shipped := SHIPPED_ANSWERS / f"{key}.jsonl.gz").exists():
@@ -431,15 +450,14 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
                                          len(prefixes), store, progress, content,
                                          cleanup=lambda: shutil.rmtree(work))
         del generator_model
-    model, tokenizer = load_target_model(target_path)
     sequences: list[tuple[list[int], int]] = []
     if settings.responses == "regenerate":
+        # the answering copy first (in the generation dtype), then the float32 target for the features: one copy
+        # of the target on the device at a time
+        generator_model, tokenizer = load_target_model(target_path, getattr(torch, settings.generation_dtype), device)
         prefixes = [_chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
         bar = _bar(len(prefixes), "generating responses", progress)
         start, count = time.perf_counter(), [0]
-        generator_model = model
-        if settings.generation_dtype != "float32":
-            generator_model, _ = load_target_model(target_path, dtype=getattr(torch, settings.generation_dtype))
 
         def tick(n: int, tokens: int) -> None:
             count[0] += tokens
@@ -447,11 +465,18 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
             bar.set_postfix(tok_s=f"{count[0] / max(time.perf_counter() - start, 1e-9):.0f}")
 
         responses = _generate(generator_model, tokenizer, prefixes, settings, tick, journal)
-        del generator_model
         bar.close()
+        if settings.generation_dtype == "float32":
+            model = generator_model
+        else:
+            del generator_model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            model, _ = load_target_model(target_path, device=device)
         pairs = zip(prefixes, responses, strict=True)
         sequences = [((pre + resp)[: settings.max_length], len(pre)) for pre, resp in pairs]
     else:
+        model, tokenizer = load_target_model(target_path, device=device)
         for p in prompts:
             answer = p.reference if settings.responses == "reference" else None
             if settings.responses == "reference" and not answer:

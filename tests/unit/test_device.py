@@ -1,0 +1,102 @@
+"""`--device`: where the target computes the teacher data. This machine has no GPU, so these tests check the choice
+of device, the clear errors, and that the target's inputs follow the model's device (a fake model on the meta
+device stands in for a GPU); scripts/gpu_teacher_check.py compares a real GPU build with a CPU one."""
+
+import pytest
+import torch
+
+from slimspec.distill.teacher import TeacherSettings, _features, _generate, uses_static_engine
+from slimspec.errors import SlimSpecError
+from slimspec.hardware import default_generation_dtype, resolve_device
+
+
+def _gpus(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_auto_picks_a_gpu_only_when_there_is_one(monkeypatch):
+    """Catches a default that ignores the GPU (hours of an 8B target on CPU cores) or needs one."""
+    _gpus(monkeypatch, 0)
+    assert resolve_device(None) == torch.device("cpu") == resolve_device("auto")
+    _gpus(monkeypatch, 2)
+    assert resolve_device(None) == torch.device("cuda")
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device(" CPU ") == torch.device("cpu")
+
+
+def test_unusable_devices_are_clear_errors(monkeypatch):
+    """Catches a CUDA request on a machine without one (or a GPU index past the last) failing deep in a build."""
+    _gpus(monkeypatch, 0)
+    with pytest.raises(SlimSpecError, match="no CUDA GPU"):
+        resolve_device("cuda")
+    _gpus(monkeypatch, 1)
+    with pytest.raises(SlimSpecError, match="only 1 CUDA GPU"):
+        resolve_device("cuda:1")
+    for bad in ("tpu", "gpu0", "mps", "meta"):
+        with pytest.raises(SlimSpecError, match="device"):
+            resolve_device(bad)
+
+
+def test_answers_default_to_bf16_on_a_gpu(monkeypatch):
+    """Catches float32 answers on a GPU by default (bf16 is native there) and a GPU choice leaking into CPU runs."""
+    monkeypatch.delenv("SLIMSPEC_GENERATION_DTYPE", raising=False)
+    _gpus(monkeypatch, 1)
+    assert default_generation_dtype(set(), device="auto") == "bfloat16"
+    assert default_generation_dtype(set(), device="cpu") == "float32"
+    assert default_generation_dtype(set()) == "float32"  # no device named: the CPU's choice, as before
+    _gpus(monkeypatch, 0)
+    assert default_generation_dtype(set(), device="auto") == "float32"
+    monkeypatch.setenv("SLIMSPEC_GENERATION_DTYPE", "float16")
+    _gpus(monkeypatch, 1)
+    assert default_generation_dtype(set(), device="auto") == "float16"
+
+
+def test_static_engine_runs_on_the_cpu_only():
+    """Catches the CPU-only static engine (CPU caches and masks) being run with a model on a GPU."""
+    static = TeacherSettings(engine="static")
+    assert uses_static_engine(static, torch.device("cpu"))
+    assert not uses_static_engine(static, torch.device("cuda"))
+    assert not uses_static_engine(TeacherSettings(engine="static", responses="reference"), torch.device("cpu"))
+    assert not uses_static_engine(TeacherSettings(), torch.device("cpu"))
+
+
+class _FakeTarget:
+    """Stands in for a target on an accelerator: its inputs must be on its device; it answers with CPU tensors
+    (as .cpu() of device tensors would be) so the callers' results can be checked."""
+
+    device = torch.device("meta")
+
+    def __init__(self, hidden: int = 3, layers: int = 4):
+        self.hidden, self.layers, self.seen = hidden, layers, []
+        self.base_model = self._forward
+
+    def _forward(self, input_ids, output_hidden_states, use_cache):
+        self.seen.append(input_ids.device)
+        t = input_ids.shape[1]
+        states = tuple(torch.full((1, t, self.hidden), float(i)) for i in range(self.layers + 1))
+        return type("Out", (), {"hidden_states": states})()
+
+    def generate(self, input_ids, attention_mask, **kwargs):
+        self.seen += [input_ids.device, attention_mask.device]
+        b, width = input_ids.shape
+        return torch.cat([torch.zeros(b, width, dtype=torch.long), torch.tensor([[5, 6, 2, 0]] * b)], dim=1)
+
+
+class _Tokenizer:
+    pad_token_id, eos_token_id = 0, 2
+
+
+def test_target_inputs_follow_the_model_device():
+    """Catches CPU input ids handed to a target on a GPU (a device-mismatch crash on the first forward) and device
+    tensors leaking into the CPU-side teacher data."""
+    model = _FakeTarget()
+    aux, final = _features(model, [1, 2, 3], (1, 3))
+    assert model.seen == [torch.device("meta")]
+    assert aux.device.type == final.device.type == "cpu"
+    assert aux.shape == (3, 6) and torch.equal(final, torch.full((3, 3), 4.0))
+    model.seen.clear()
+    answers = _generate(model, _Tokenizer(), [[1, 7], [1, 8, 9]], TeacherSettings(max_new_tokens=4),
+                        lambda n, tokens: None)
+    assert set(model.seen) == {torch.device("meta")}
+    assert answers == [[5, 6, 2], [5, 6, 2]]  # cut at the eos, as on the CPU
