@@ -378,7 +378,8 @@ def batch(manifest: Path, continue_on_error: bool, report: Path | None) -> None:
     MANIFEST: {defaults: {target: ..., rank: d/8}, jobs: [{drafter: ..., out: ..., push_to: ...}, ...]}
     Job options: drafter, target, rank, vocab, out, overwrite, dtype, stitch, init, distill_steps, data,
     num_prompts, responses, max_new_tokens, generation_engine, generation_dtype, revision (the drafter's),
-    target_revision, push_to, eval_prompts (measure tau on that many mt_bench prompts).
+    target_revision, device (where the teacher data is computed; not part of what makes a job's output), push_to,
+    eval_prompts (measure tau on that many mt_bench prompts).
     A job whose output already holds the same conversion is skipped, one holding another batch job's is
     replaced (any other existing folder only with overwrite: true; never the drafter's own);
     outputs are written atomically, so a killed batch can simply be run again. Exit code 1 when any job failed.

@@ -147,3 +147,23 @@ def test_import_is_light_and_api_is_complete():
             "('convert', 'distill', 'evaluate', 'push', 'factorize')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["[]", "True"]
+
+
+def test_device_is_a_job_option_outside_the_fingerprint(tmp_path, monkeypatch):
+    """Catches `device` refused in a manifest, dropped on its way to the teacher, or making a job that ran on a GPU
+    run again on a CPU machine (the device does not change what a job writes)."""
+    from slimspec.batch import job_fingerprint, read_manifest
+
+    (tmp_path / "m.json").write_text(json.dumps({"defaults": {"device": "cpu"}, "jobs": [{"drafter": "x"}]}))
+    job = read_manifest(tmp_path / "m.json")[0]
+    assert job["device"] == "cpu"
+    assert job_fingerprint(job) == job_fingerprint({k: v for k, v in job.items() if k != "device"})
+    seen = {}
+
+    def fake_convert(*args, data_options=None, **kwargs):
+        seen["device"] = data_options.device
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("slimspec.convert.pipeline.convert", fake_convert)
+    result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.json")])
+    assert seen == {"device": "cpu"}, result.output
