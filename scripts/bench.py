@@ -267,7 +267,8 @@ def bench_teacher(num_prompts: int = 128, new_tokens: int = 128) -> list[str]:
                                    engine=engine)
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
-            teacher = build_teacher_data(target, prompts, settings, cache_root=Path(tmp), progress=False)
+            teacher = build_teacher_data(target, prompts, settings, cache_root=Path(tmp), progress=False,
+                                         device="cpu")  # CPU engines compared (the static one is CPU-only)
             seconds = time.perf_counter() - start
         data[(engine, batch)] = teacher
         answers = int(teacher.loss_mask.sum())
@@ -335,7 +336,7 @@ def bench_teacher_rebuild(num_prompts: int = 128, new_tokens: int = 128, batch: 
             sd._grouped_attention = attention
             start = time.perf_counter()
             teacher = build_teacher_data(target, prompts, settings, cache_root=Path(tmp) / name, progress=False,
-                                         answers=answers)
+                                         answers=answers, device="cpu")
             seconds = time.perf_counter() - start
             sd._grouped_attention = grouped
             data[name] = teacher
@@ -391,7 +392,8 @@ def bench_generation_dtype(num_prompts: int = 32, new_tokens: int = 64) -> list[
                                    engine="static", generation_dtype=dtype)
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
-            teacher = build_teacher_data(target, prompts, settings, cache_root=Path(tmp), progress=False)
+            teacher = build_teacher_data(target, prompts, settings, cache_root=Path(tmp), progress=False,
+                                         device="cpu")
             rows.append((dtype, time.perf_counter() - start, teacher.num_tokens))
     flags = sorted(f for f in cpu_flags() if f in _BF16_CPU_FLAGS or f.startswith("avx512f") or f == "avx2")
     return [

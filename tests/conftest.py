@@ -4,6 +4,9 @@ import os
 # (speculators' flex-attention import does): triton reads the flag once, and kernels decorated without it
 # cannot run in the interpreter later.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Teacher data is built on the CPU in every test, also on a machine with a GPU (`--device auto` would pick it, and
+# the static engine and what the tests count are CPU-only); tests of the device choice set or clear it themselves.
+os.environ["SLIMSPEC_DEVICE"] = "cpu"
 
 import pytest
 

@@ -69,8 +69,9 @@ def data_options(func):
                           "(AVX512-BF16, AMX), else float32 (emulated bf16 decodes 3-4x slower); "
                           "$SLIMSPEC_GENERATION_DTYPE sets it."),
         click.option("--device", default="auto", show_default=True,
-                     help="Where the target computes the teacher data (answers and features): auto (a CUDA GPU when "
-                          "PyTorch sees one, else the CPU), cpu, cuda or cuda:N. The data is kept on the CPU, where "
+                     help="Where the target computes the teacher data (answers and features): auto "
+                          "($SLIMSPEC_DEVICE if set, else a CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda "
+                          "or cuda:N. The data is kept on the CPU, where "
                           "the head's distillation runs; the static engine is CPU-only (on a GPU, generate does "
                           "the work)."),
         click.option("--aux-layers", help="Target hidden-state indices feeding fc, e.g. 2,15,27 (default: the "

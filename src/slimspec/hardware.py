@@ -14,6 +14,7 @@ from pathlib import Path
 from slimspec.errors import SlimSpecError
 
 GENERATION_DTYPE_ENV = "SLIMSPEC_GENERATION_DTYPE"
+DEVICE_ENV = "SLIMSPEC_DEVICE"
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 GENERATION_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -52,11 +53,14 @@ def default_generation_dtype(flags: set[str] | None = None, device: str | None =
 
 
 def resolve_device(name: str | None = None):
-    """The ``torch.device`` the teacher's target runs on: ``name`` (cpu, cuda, cuda:N), or for None/"auto" the
-    first CUDA GPU when PyTorch sees one, else the CPU. An unusable choice is a clear error, not a crash later."""
+    """The ``torch.device`` the teacher's target runs on: ``name`` (cpu, cuda, cuda:N), or for None/"auto"
+    ``$SLIMSPEC_DEVICE`` if set, else the first CUDA GPU when PyTorch sees one, else the CPU. An unusable choice is
+    a clear error, not a crash later."""
     import torch
 
     chosen = str(name or "auto").strip().lower()
+    if chosen == "auto":
+        chosen = os.environ.get(DEVICE_ENV, "").strip().lower() or "auto"
     if chosen == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

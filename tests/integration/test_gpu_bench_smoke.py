@@ -32,6 +32,6 @@ def test_gpu_teacher_check_cpu_smoke_passes(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_teacher_check.py"), "--cpu-smoke"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| identical sequences | 12 / 12 |" in proc.stdout, proc.stdout
-    assert "| worst relative feature difference | 0.00e+00 |" in proc.stdout, proc.stdout
+    for dtype in ("float32", "bfloat16"):
+        assert f"| {dtype} | 12 / 12 | 0.00e+00 |" in proc.stdout, proc.stdout
 

@@ -11,6 +11,7 @@ from slimspec.hardware import default_generation_dtype, resolve_device
 
 
 def _gpus(monkeypatch, count: int) -> None:
+    monkeypatch.delenv("SLIMSPEC_DEVICE", raising=False)  # tests/conftest.py pins the CPU for every other test
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
 
@@ -23,6 +24,9 @@ def test_auto_picks_a_gpu_only_when_there_is_one(monkeypatch):
     assert resolve_device(None) == torch.device("cuda")
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
     assert resolve_device(" CPU ") == torch.device("cpu")
+    monkeypatch.setenv("SLIMSPEC_DEVICE", "cpu")  # what auto means where it is set; a named device wins
+    assert resolve_device("auto") == torch.device("cpu") == resolve_device(None)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
 
 
 def test_unusable_devices_are_clear_errors(monkeypatch):
@@ -93,7 +97,6 @@ def test_target_inputs_follow_the_model_device():
     model = _FakeTarget()
     aux, final = _features(model, [1, 2, 3], (1, 3))
     assert model.seen == [torch.device("meta")]
-    assert aux.device.type == final.device.type == "cpu"
     assert aux.shape == (3, 6) and torch.equal(final, torch.full((3, 3), 4.0))
     model.seen.clear()
     answers = _generate(model, _Tokenizer(), [[1, 7], [1, 8, 9]], TeacherSettings(max_new_tokens=4),

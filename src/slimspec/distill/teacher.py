@@ -285,11 +285,12 @@ def _chat_ids(tokenizer, prompt: str, answer: str | None = None) -> tuple[list[i
 
 @torch.no_grad()
 def _generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSettings, progress,
-              journal: Path | None = None) -> list[list[int]]:
+              journal: Path | None = None, known: dict[int, list[int]] | None = None) -> list[list[int]]:
     """Responses of the target to each prefix (batched, left-padded), without the prefix.
 
     Each finished batch is appended to ``journal`` (JSON lines); a rerun reads it and generates only the
-    rest, so an interrupted generation resumes instead of starting over.
+    rest, so an interrupted generation resumes instead of starting over. ``known`` answers (prompt index ->
+    ids: saved answers) are taken as they are (``model`` may be None when they cover every prefix).
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     gen = torch.Generator().manual_seed(settings.seed)
@@ -302,6 +303,8 @@ def _generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSett
                 results[int(row["i"])] = [int(t) for t in row["tokens"]]
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 continue  # a line cut off by a kill
+    results.update(known or {})
+    if results:
         progress(len(results), 0)
     order = sorted((i for i in range(len(prefixes)) if i not in results), key=lambda i: len(prefixes[i]))
     for b in range(0, len(order), settings.generation_batch):
@@ -422,25 +425,27 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
     if settings.engine == "static" and not static_engine and settings.responses == "regenerate" and progress:
         print(f"[slimspec] the static engine runs on the CPU only: on {device} answers and features come from "
               "transformers' generate and forwards", file=sys.stderr)
-    if answers is not None and not static_engine and progress:
-        print(f"[slimspec] saved answers {answers} are read by the static engine's regenerated answers (on the CPU) "
-              "only: unused here", file=sys.stderr)
+    known: dict[int, list[int]] = {}  # prompt index -> answer ids already decoded (saved or shipped answers)
+    if settings.responses == "regenerate":
+        if answers is None and (shipped := SHIPPED_ANSWERS / f"{key}.jsonl.gz").exists():
+            answers = shipped  # this very cache's answers ship with slimspec (the embedded target's brief recipe)
+            if progress:
+                print(f"[slimspec] answers: shipped with slimspec ({shipped.name}); features from the target's "
+                      "forwards", file=sys.stderr)
+        known = load_answers(answers, key) if answers is not None else {}
+        known = {i: r for i, r in known.items() if 0 <= i < len(prompts)}
+    elif answers is not None and progress:
+        print(f"[slimspec] saved answers {answers} stand for regenerated answers only: unused here", file=sys.stderr)
     store = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float16 if settings.dtype == "float16" \
         else torch.float32
     if static_engine:
         from slimspec.distill.static_decode import supports
 
-        if answers is None and (shipped := SHIPPED_ANSWERS / f"{key}.jsonl.gz").exists():
-            answers = shipped  # this very cache's answers ship with slimspec (the embedded target's brief recipe)
-            if progress:
-                print(f"[slimspec] answers: shipped with slimspec ({shipped.name}); features from batched forwards",
-                      file=sys.stderr)
-        known = load_answers(answers, key) if answers is not None else {}
         generator_model, tokenizer = load_target_model(target_path, dtype=getattr(torch, settings.generation_dtype))
         static = supports(generator_model, settings.max_length + settings.max_new_tokens)
-        if not static and answers and progress:
-            print(f"[slimspec] the static engine does not support this target: saved answers {answers} unused, "
-                  "decoding with transformers' generate", file=sys.stderr)
+        if not static and progress:
+            print("[slimspec] the static engine does not support this target: transformers' generate and forwards "
+                  "do the work", file=sys.stderr)
         if static:
             prefixes = [_chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
             _static_generate(generator_model, tokenizer, prefixes, settings, work, store, progress, known)
@@ -453,8 +458,12 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
     sequences: list[tuple[list[int], int]] = []
     if settings.responses == "regenerate":
         # the answering copy first (in the generation dtype), then the float32 target for the features: one copy
-        # of the target on the device at a time
-        generator_model, tokenizer = load_target_model(target_path, getattr(torch, settings.generation_dtype), device)
+        # of the target on the device at a time; no answering copy when every answer is known
+        if len(known) < len(prompts):
+            generator_model, tokenizer = load_target_model(target_path, getattr(torch, settings.generation_dtype),
+                                                           device)
+        else:
+            generator_model, (model, tokenizer) = None, load_target_model(target_path, device=device)
         prefixes = [_chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
         bar = _bar(len(prefixes), "generating responses", progress)
         start, count = time.perf_counter(), [0]
@@ -464,9 +473,11 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
             bar.update(n)
             bar.set_postfix(tok_s=f"{count[0] / max(time.perf_counter() - start, 1e-9):.0f}")
 
-        responses = _generate(generator_model, tokenizer, prefixes, settings, tick, journal)
+        responses = _generate(generator_model, tokenizer, prefixes, settings, tick, journal, known)
         bar.close()
-        if settings.generation_dtype == "float32":
+        if generator_model is None:
+            pass  # every answer was known: the float32 target is loaded already
+        elif settings.generation_dtype == "float32":
             model = generator_model
         else:
             del generator_model
