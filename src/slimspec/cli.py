@@ -140,7 +140,7 @@ def _data_and_config(kw: dict, steps: int):
 
 
 RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "overwrite", "distill_steps", "num_prompts",
-                     "push_to", "as_json", "quiet"}
+                     "push_to", "as_json", "quiet", "device"}
 """The convert options --rank auto honours; it refuses the others rather than ignore them."""
 
 
@@ -204,7 +204,7 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
         out = out or Path(f"{model_name(drafter)}-slimspec-auto")
         best, _ = convert_rank_auto(drafter, target, out, kappa=kappa, vocab=vocab,
                                     distill_steps=distill_steps or 60, calibration_prompts=options.num_prompts or 64,
-                                    overwrite=overwrite, progress=not quiet)
+                                    overwrite=overwrite, progress=not quiet, device=options.device)
         saved = json.loads((out / "slimspec.json").read_text())
         result = ConvertResult(out=out, rank=saved["rank"], report=saved)
     else:

@@ -52,7 +52,8 @@ def test_plane_and_rank_auto_on_tiny_target(tiny_target, tmp_path):
     assert all(p["rho_tau"] == pytest.approx(p["tau"] / base) for p in report["points"])
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tiny_target), "--rank", "auto",
                                        "--kappa", "1.0", "--vocab", "draft", "-o", str(tmp_path / "auto"),
-                                       "--distill-steps", "2", "--num-prompts", "4", "--json", "-q"])
+                                       "--distill-steps", "2", "--num-prompts", "4", "--json", "-q",
+                                       "--device", "cpu"])  # where the teacher data is computed: honoured
     assert result.exit_code == 0, result.output
     saved = json.loads((tmp_path / "auto" / "slimspec.json").read_text())
     points = [p for p in saved["rank_auto"]["points"] if p["kind"] == "slimspec"]

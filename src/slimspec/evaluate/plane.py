@@ -46,6 +46,7 @@ def build_plane(
     calibration_prompts: int | None = 64,
     base_tau: float | None = None,
     progress: bool = True,
+    device: str | None = None,
 ) -> list[PlanePoint]:
     """Measure every point of the plane, side by side in one run.
 
@@ -73,7 +74,7 @@ def build_plane(
     parts = load_target_parts(target)
     # the demo's recipe (drafter teacher, its lr and batch) at the plane's own prompts and steps
     options, recipe = brief_distillation(distill_steps)
-    options = replace(options, num_prompts=calibration_prompts)
+    options = replace(options, num_prompts=calibration_prompts, device=device)  # device: the teacher data's
 
     def tau_of(folder: str) -> float:
         return evaluate(folder, target, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
@@ -161,8 +162,8 @@ def plane_report(points: list[PlanePoint], kappas: tuple[float, ...], out_dir: P
 def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float,
                       ranks: tuple[str, ...] = ("d/4", "d/8", "d/16", "d/32"), vocab: str = "full",
                       distill_steps: int = 60, num_prompts: int = 8, max_new_tokens: int = 96,
-                      calibration_prompts: int | None = 64, overwrite: bool = False, progress: bool = True
-                      ) -> tuple[PlanePoint, list[PlanePoint]]:
+                      calibration_prompts: int | None = 64, overwrite: bool = False, progress: bool = True,
+                      device: str | None = None) -> tuple[PlanePoint, list[PlanePoint]]:
     """``--rank auto``: measure nu(r) and rho_tau(r) for each candidate rank (each briefly distilled) and keep
     the one with the highest predicted rho_TPS at ``kappa``. The paper leaves r manual; this is ours."""
     import shutil
@@ -179,7 +180,7 @@ def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float,
         points = build_plane(drafter, target, Path(tmp), ranks=ranks, vocabs=(vocab,), trim_sizes=(),
                              distill_steps=distill_steps,
                              num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                             calibration_prompts=calibration_prompts, progress=progress)
+                             calibration_prompts=calibration_prompts, progress=progress, device=device)
         best = best_rank(points, kappa)
         report_path = Path(best.folder) / "slimspec.json"
         report = json.loads(report_path.read_text())
