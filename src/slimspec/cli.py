@@ -71,9 +71,8 @@ def data_options(func):
         click.option("--device", default="auto", show_default=True,
                      help="Where the target computes the teacher data (answers and features): auto "
                           "($SLIMSPEC_DEVICE if set, else a CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda "
-                          "or cuda:N. The data is kept on the CPU, where "
-                          "the head's distillation runs; the static engine is CPU-only (on a GPU, generate does "
-                          "the work)."),
+                          "or cuda:N. The data is kept on the CPU, where the head's distillation runs; the static "
+                          "engine is CPU-only (on a GPU, generate does the work)."),
         click.option("--aux-layers", help="Target hidden-state indices feeding fc, e.g. 2,15,27 (default: the "
                      "drafter's config, else EAGLE-3's {2, L//2, L-3})."),
         click.option("--aux-convention", type=click.Choice(["input", "output"]),
