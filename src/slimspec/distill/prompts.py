@@ -138,12 +138,9 @@ def _looks_like_dataset_id(item: str) -> bool:
 def check_not_eval(prompts: list[Prompt]) -> None:
     """Refuse training prompts that are slimspec's eval prompts (mt_bench, humaneval, gsm8k first turns): tau
     measured on prompts the head was fitted to would flatter it. Measuring on them is fine (``training=False``)."""
-    from importlib import resources
+    from slimspec.evaluate.acceptance import DATASETS, eval_prompts
 
-    held_out = set()
-    for name in ("mt_bench", "humaneval", "gsm8k"):
-        text = resources.files("slimspec").joinpath(f"data/eval/{name}.jsonl").read_text(encoding="utf-8")
-        held_out |= {json.loads(line)["turns"][0].strip() for line in text.split("\n") if line.strip()}
+    held_out = {text.strip() for name in DATASETS for text in eval_prompts(name, None)}
     shared = [p.id for p in prompts if p.text.strip() in held_out]
     if shared:
         raise SlimSpecError(f"{len(shared)} training prompts are slimspec's eval prompts (e.g. {shared[0]}): never "
