@@ -186,8 +186,12 @@ def generation_stop_ids(target_path: Path) -> list[int]:
         eos = json.loads(path.read_text()).get("eos_token_id")
     except (OSError, ValueError, AttributeError):
         return []
-    ids = [eos] if isinstance(eos, int) else list(eos or []) if isinstance(eos, list) else []
-    return sorted({int(i) for i in ids if isinstance(i, int)})
+    return sorted({i for i in _eos_ids(eos) if isinstance(i, int)})
+
+
+def _eos_ids(eos) -> list:
+    """An ``eos_token_id`` setting (one id, a list of ids, or None) as a list."""
+    return [eos] if isinstance(eos, int) else list(eos) if isinstance(eos, list | tuple) else []
 
 
 def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSettings) -> str:
@@ -248,8 +252,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     """Where the target's answers end: its tokenizer's eos and every eos of its generation config (Llama 3.1
     Instruct: <|eot_id|>, <|eom_id|>, <|end_of_text|>), as transformers' ``generate`` and vLLM stop."""
     config = getattr(model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None)
-    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    ids = _eos_ids(getattr(config, "eos_token_id", None))
     if tokenizer.eos_token_id is not None:
         ids.insert(0, tokenizer.eos_token_id)
     return list(dict.fromkeys(int(i) for i in ids))
