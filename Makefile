@@ -46,6 +46,7 @@ bench: setup vllm-setup
 gpu-bench: setup vllm-setup
 	$(BIN)/python scripts/gpu_bench.py
 	$(BIN)/python scripts/gpu_teacher_check.py
+	$(BIN)/python scripts/gpu_distill_check.py
 
 lint: setup
 	$(BIN)/python -m ruff check src tests scripts

@@ -42,7 +42,7 @@ def tiny_target(folder: Path) -> Path:
     tokenizer.chat_template = TEMPLATE
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                          initializer_range=0.3)  # large random weights: answers that vary, not one token repeated
     LlamaForCausalLM(config).save_pretrained(folder)

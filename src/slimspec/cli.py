@@ -69,10 +69,10 @@ def data_options(func):
                           "(AVX512-BF16, AMX), else float32 (emulated bf16 decodes 3-4x slower); "
                           "$SLIMSPEC_GENERATION_DTYPE sets it."),
         click.option("--device", default="auto", show_default=True,
-                     help="Where the target computes the teacher data (answers and features): auto "
-                          "($SLIMSPEC_DEVICE if set, else a CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda "
-                          "or cuda:N. The data is kept on the CPU, where the head's distillation runs; the static "
-                          "engine is CPU-only (on a GPU, generate does the work)."),
+                     help="Where the target computes the teacher data (answers and features) and the head is "
+                          "distilled: auto ($SLIMSPEC_DEVICE if set, else a CUDA GPU when PyTorch sees one, else the "
+                          "CPU), cpu, cuda or cuda:N. The data is cached on the CPU; the static engine is CPU-only "
+                          "(on a GPU, generate does the work); torchrun runs distil on the CPU."),
         click.option("--aux-layers", help="Target hidden-state indices feeding fc, e.g. 2,15,27 (default: the "
                      "drafter's config, else EAGLE-3's {2, L//2, L-3})."),
         click.option("--aux-convention", type=click.Choice(["input", "output"]),
@@ -378,8 +378,8 @@ def batch(manifest: Path, continue_on_error: bool, report: Path | None) -> None:
     MANIFEST: {defaults: {target: ..., rank: d/8}, jobs: [{drafter: ..., out: ..., push_to: ...}, ...]}
     Job options: drafter, target, rank, vocab, out, overwrite, dtype, stitch, init, distill_steps, data,
     num_prompts, responses, max_new_tokens, generation_engine, generation_dtype, revision (the drafter's),
-    target_revision, device (where the teacher data is computed; not part of what makes a job's output), push_to,
-    eval_prompts (measure tau on that many mt_bench prompts).
+    target_revision, device (where the teacher data is computed and the head distilled; not part of what makes a
+    job's output), push_to, eval_prompts (measure tau on that many mt_bench prompts).
     A job whose output already holds the same conversion is skipped, one holding another batch job's is
     replaced (any other existing folder only with overwrite: true; never the drafter's own);
     outputs are written atomically, so a killed batch can simply be run again. Exit code 1 when any job failed.

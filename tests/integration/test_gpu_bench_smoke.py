@@ -35,3 +35,16 @@ def test_gpu_teacher_check_cpu_smoke_passes(tmp_path):
     for dtype in ("float32", "bfloat16"):
         assert f"| {dtype} | 12 / 12 | 0.00e+00 |" in proc.stdout, proc.stdout
 
+
+
+def test_gpu_distill_check_cpu_smoke_passes(tmp_path):
+    """Catches a gpu_distill_check.py (make gpu-bench's distillation-on-GPU check) that crashes or fails its own
+    checks when both runs of each case (convert with either teacher, from scratch) are on the CPU, where they must
+    agree exactly and lower the held-out KL."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_distill_check.py"), "--cpu-smoke"],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAILED" not in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "e+00 |" in line]
+    assert [line.split(" | ")[0] for line in lines] == ["| drafter", "| target", "| from-scratch"], proc.stdout
+    assert all(" | 0.00e+00 | " in line for line in lines), proc.stdout

@@ -103,3 +103,47 @@ def test_target_inputs_follow_the_model_device():
                         lambda n, tokens: None)
     assert set(model.seen) == {torch.device("meta")}
     assert answers == [[5, 6, 2], [5, 6, 2]]  # cut at the eos, as on the CPU
+
+
+def test_distributed_distillation_refuses_a_gpu(monkeypatch):
+    """Catches a torchrun run sent to a GPU: its gradient reduction and teacher tables are CPU-only (gloo, host
+    memory); it must stop with a clear error before any work, not crash in the first all-reduce."""
+    import slimspec.distill.train as train
+
+    monkeypatch.setattr(train, "_world", lambda: (0, 2))
+    drafter = torch.nn.Module()
+    drafter.fc = torch.nn.Linear(2, 2)
+    with pytest.raises(SlimSpecError, match="distributed distillation .* runs on the CPU"):
+        train.distill_drafter(drafter, None, torch.zeros(3, 2), train.DistillConfig(), device="cuda")
+
+
+def test_teacher_table_budget_on_a_gpu_is_its_free_memory(monkeypatch):
+    """Catches a GPU run whose teacher table is sized by the host's RAM (a table larger than the GPU's free memory:
+    out of memory after the features were computed) or ignores $SLIMSPEC_TEACHER_TABLE_BYTES."""
+    from slimspec.distill.teacher_table import table_budget
+
+    monkeypatch.delenv("SLIMSPEC_TEACHER_TABLE_BYTES", raising=False)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (3_000_000, 80_000_000))
+    assert table_budget("cuda:1") == 1_000_000 and asked == [torch.device("cuda", 1)]
+    assert table_budget(torch.device("cpu")) != 1_000_000  # the host's memory
+    monkeypatch.setenv("SLIMSPEC_TEACHER_TABLE_BYTES", "5e6")
+    assert table_budget("cuda") == 5_000_000
+
+
+def test_teacher_rows_follow_the_student_device():
+    """Catches the target's states (a CPU cache) handed to a head on a GPU, or GPU row indices used on the CPU
+    cache: both device-mismatch crashes in the first step of a GPU distillation (the meta device stands in)."""
+    from types import SimpleNamespace
+
+    from slimspec.distill.train import teacher_hidden
+
+    cache = SimpleNamespace(final=torch.arange(40, dtype=torch.float16).reshape(10, 4))
+    hidden = torch.empty(3, 4, device="meta")
+    rows = teacher_hidden(hidden, torch.tensor([1, 5, 9]), cache, "target")
+    assert rows.device == torch.device("meta") and rows.dtype == torch.float32 and rows.shape == (3, 4)
+    cpu_rows = teacher_hidden(torch.zeros(3, 4), torch.tensor([1, 5, 9]), cache, "target")
+    assert torch.equal(cpu_rows, cache.final[[1, 5, 9]].float())
+    # the drafter teacher: [h, 1] of the student's own rows, where they are
+    own = teacher_hidden(hidden, torch.tensor([1, 5, 9], device="meta"), cache, "drafter")
+    assert own.device == torch.device("meta") and own.shape == (3, 5)

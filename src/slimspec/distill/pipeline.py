@@ -22,6 +22,7 @@ from slimspec.distill.train import (
     distill_drafter,
     finite_or_none,
     prepare_checkpoint_dir,
+    training_device,
 )
 from slimspec.errors import SlimSpecError
 from slimspec.hardware import default_generation_dtype
@@ -258,7 +259,8 @@ def distill(
         teacher = teacher_for(ckpt, parts, options, False)
     drafter = drafter_model(ckpt, parts)
     result = distill_drafter(drafter, teacher, distill_teacher_head(teacher_ckpt, drafter, parts, cfg.teacher), cfg,
-                             checkpoint_dir=checkpoints, resume=resume, progress=progress)
+                             checkpoint_dir=checkpoints, resume=resume, progress=progress,
+                             device=training_device(options.device))
     if rank == 0:
         write_distilled(source, ckpt, drafter, out, result, options, str(target), overwrite=True)
         shutil.rmtree(checkpoints, ignore_errors=True)
@@ -319,11 +321,11 @@ def activation_covariance(features, chunk: int = 65536) -> torch.Tensor:
     """
     h = features.hidden.reshape(-1, features.hidden.shape[-1])
     w = features.weight.reshape(-1)
-    cov = torch.zeros(h.shape[1], h.shape[1], dtype=torch.float64)
+    cov = torch.zeros(h.shape[1], h.shape[1], dtype=torch.float64, device=h.device)
     for a in range(0, h.shape[0], chunk):
         x = h[a:a + chunk].double()
         cov += (x * w[a:a + chunk].double()[:, None]).T @ x
-    return cov
+    return cov.cpu()
 
 
 def init_and_distill(
@@ -341,15 +343,18 @@ def init_and_distill(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Step-0 KL of the SVD and whitened starts side by side, pick ``init``, then ``cfg.steps`` of distillation.
 
-    Returns the final factors and a report (KL per start, distillation summary).
+    The drafter's features, the KLs and the steps run on ``options.device`` (auto: a CUDA GPU when there is one).
+    Returns the final factors (on the CPU) and a report (KL per start, distillation summary).
     """
     from slimspec.convert.factorize import factorize_whitened
     from slimspec.distill.train import evaluate_kl, split_sequences, student_features
     from slimspec.model import LowRankHead
 
+    device = training_device(options.device)
     teacher = teacher_for(ckpt, target, options, progress)
     drafter = drafter_model(lowrank_checkpoint(ckpt, w_up.float(), w_down.float(), d2t), target)
-    teacher_head = distill_teacher_head(ckpt, drafter, target, cfg.teacher)
+    teacher_head = distill_teacher_head(ckpt, drafter, target, cfg.teacher).to(device)  # (from the CPU drafter)
+    drafter.to(device)
     train_idx, eval_idx = split_sequences(teacher, cfg.eval_every_nth)
     eval_features = student_features(drafter, teacher, eval_idx, cfg.ttt_steps, allow_empty=True)
     report: dict[str, Any] = {"teacher": {"sequences": len(teacher), "tokens": teacher.num_tokens,
@@ -360,17 +365,17 @@ def init_and_distill(
         starts["whitened"] = tuple(t.float() for t in factorize_whitened(weight.float(), rank, cov))
     report["init_kl"] = {}
     for name, (up, down) in starts.items():
-        drafter.lm_head = LowRankHead(up.clone(), down.clone())
+        drafter.lm_head = LowRankHead(up.clone(), down.clone()).to(device)
         loss, per_step = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=cfg.teacher)
         report["init_kl"][name] = {"step0_kl": finite_or_none(per_step[0]), "ttt_loss": loss,
                                    "per_step": [finite_or_none(v) for v in per_step]}
     if init not in starts:
         raise SlimSpecError(f"--init must be 'svd' or 'whitened', got {init!r}")
     up, down = starts[init]
-    drafter.lm_head = LowRankHead(up.clone(), down.clone())
+    drafter.lm_head = LowRankHead(up.clone(), down.clone()).to(device)
     report["init"] = init
     if cfg.steps > 0:
         result = distill_drafter(drafter, teacher, teacher_head, cfg, progress=progress)
         report["distill"] = {**result.summary(), "data": asdict(options)}
     head = drafter.lm_head
-    return head.weight_up.detach(), head.weight_down.detach(), report
+    return head.weight_up.detach().cpu(), head.weight_down.detach().cpu(), report

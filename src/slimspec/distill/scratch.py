@@ -23,7 +23,13 @@ from slimspec.checkpoint.writer import (
 )
 from slimspec.distill.pipeline import DataOptions, TargetParts, load_target_parts
 from slimspec.distill.teacher import TeacherData, TeacherSettings, aux_layers_for, build_teacher_data
-from slimspec.distill.train import DistillConfig, DistillResult, distill_drafter, prepare_checkpoint_dir
+from slimspec.distill.train import (
+    DistillConfig,
+    DistillResult,
+    distill_drafter,
+    prepare_checkpoint_dir,
+    training_device,
+)
 from slimspec.errors import SlimSpecError
 from slimspec.model import Eagle3Drafter, FullHead, LowRankHead
 
@@ -133,7 +139,7 @@ def train_from_scratch(
     drafter = init_drafter(dcfg, parts, draft_ids, rank, cfg.seed)
     teacher_head = parts.head[draft_ids] if draft_vocab != parts.head.shape[0] else parts.head
     result = distill_drafter(drafter, teacher, teacher_head, cfg, checkpoint_dir=checkpoints, resume=resume,
-                             progress=progress)
+                             progress=progress, device=training_device(options.device))
     write_eagle_layout(drafter, dcfg, draft_ids, out, result, target, settings, overwrite, training_extra)
     return out, result
 

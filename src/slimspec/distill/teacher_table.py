@@ -35,15 +35,18 @@ def _available_bytes() -> int:
     return 8 * 2**30
 
 
-def table_budget() -> int:
+def table_budget(device: torch.device | str | None = None) -> int:
     """Bytes a teacher table may take: ``$SLIMSPEC_TEACHER_TABLE_BYTES``, else a third of the available memory
-    shared by the processes of this host (torchrun's ``LOCAL_WORLD_SIZE``: each rank builds its own table)."""
+    where the table lives: the free memory of a CUDA ``device``, else the host's, shared by the processes of this
+    host (torchrun's ``LOCAL_WORLD_SIZE``: each rank builds its own table)."""
     value = os.environ.get(TABLE_BYTES_ENV)
     if value is not None and value.strip():
         try:
             return max(0, int(float(value)))
         except ValueError as error:
             raise SlimSpecError(f"{TABLE_BYTES_ENV} must be a number of bytes, got {value!r}") from error
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0] // 3
     return _available_bytes() // 3 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
 
 
@@ -64,7 +67,7 @@ def teacher_table(weight: torch.Tensor, teacher_rows: Callable[[slice, int], tor
 
     ``weight`` [M, k]: (row, step) pairs of weight 0 are never read by the loss and stay 0 here (not computed).
     ``teacher_rows(slice, i)`` gives the teacher's input rows [n, H_t] of step i (float32). Computed in float32,
-    stored in ``dtype``.
+    stored in ``dtype``, on ``weight``'s device (``teacher_head`` and the rows must be there too).
     """
     from tqdm.auto import tqdm
 
@@ -72,7 +75,7 @@ def teacher_table(weight: torch.Tensor, teacher_rows: Callable[[slice, int], tor
     vocab = teacher_head.shape[0]
     chunk = max(1, min(chunk, 2**26 // max(vocab, 1)))  # one chunk's float32 logits: at most 256 MiB
     head_t = teacher_head.float().T
-    table = torch.zeros(rows, steps, vocab, dtype=dtype)
+    table = torch.zeros(rows, steps, vocab, dtype=dtype, device=weight.device)
     bar = tqdm(total=rows * steps, desc="[slimspec] teacher table", unit="row", disable=not progress)
     for i in range(steps):
         for a in range(0, rows, chunk):

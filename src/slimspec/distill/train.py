@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from slimspec.distill.loss import full_vocab_kl
 from slimspec.distill.teacher import TeacherData
-from slimspec.distill.teacher_table import table_dtype, teacher_table
+from slimspec.distill.teacher_table import table_budget, table_dtype, teacher_table
 from slimspec.errors import SlimSpecError
 from slimspec.model import Eagle3Drafter, LowRankHead
 
@@ -157,8 +157,9 @@ def student_outputs(drafter: Eagle3Drafter, teacher: TeacherData, index: int, st
     if inputs is None:
         return None
     seq, positions, teacher_index, weight = inputs
-    dtype = drafter.fc.weight.dtype
-    outs = drafter.ttt_forward(seq["input_ids"][None], seq["aux"][None, :positions].to(dtype), steps)
+    ref = drafter.fc.weight
+    outs = drafter.ttt_forward(seq["input_ids"][None].to(ref.device),
+                               seq["aux"][None, :positions].to(device=ref.device, dtype=ref.dtype), steps)
     hidden = torch.stack([drafter.normed(h)[0] for h in outs], dim=1)
     return hidden, teacher_index, weight
 
@@ -196,7 +197,8 @@ def batched_student_outputs(drafter: Eagle3Drafter, teacher: TeacherData, indice
     """``student_outputs`` of each of ``indices`` (same order), computed in right-padded batches of similar
     lengths (``length_groups``). Exact: attention is causal and the TTT steps' extra keys are per position, so
     padding after a sequence changes none of its positions; it only replaces many small, differently shaped
-    passes by a few larger ones of recurring shapes."""
+    passes by a few larger ones of recurring shapes. Outputs are on the drafter's device, teacher rows and weights
+    on the CPU."""
     inputs = [_sequence_inputs(teacher, i, steps, source_rows) for i in indices]
     results: list = [None] * len(indices)
     present = [j for j, x in enumerate(inputs) if x is not None]
@@ -210,8 +212,8 @@ def batched_student_outputs(drafter: Eagle3Drafter, teacher: TeacherData, indice
             seq, positions = inputs[j][0], inputs[j][1]
             ids[row, :positions + steps] = seq["input_ids"]
             aux[row, :positions] = seq["aux"][:positions].to(dtype)
-        outs = drafter.ttt_forward(ids, aux, steps)
-        hidden = torch.stack([drafter.normed(h) for h in outs], dim=2)  # [B, width, k, H]
+        outs = drafter.ttt_forward(ids.to(drafter.fc.weight.device), aux.to(drafter.fc.weight.device), steps)
+        hidden = torch.stack([drafter.normed(h) for h in outs], dim=2)  # [B, width, k, H], on the drafter's device
         for row, j in enumerate(members):
             _, positions, teacher_index, weight = inputs[j]
             results[j] = (hidden[row, :positions], teacher_index, weight)
@@ -242,7 +244,8 @@ def repeated_prefixes(teacher: TeacherData, indices: list[int]) -> torch.Tensor:
 def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list[int], steps: int,
                      progress: bool = False, all_positions: bool = False,
                      source_rows: bool = False, allow_empty: bool = False) -> StudentFeatures:
-    """Frozen-backbone features of the given sequences' answer positions (rows with some loss weight).
+    """Frozen-backbone features of the given sequences' answer positions (rows with some loss weight), on the
+    drafter's device.
 
     ``all_positions``: every position, each with weight 1 (prompt positions too). Only for the ``drafter``
     teacher, whose targets are the source head's outputs on these very states, not the next tokens.
@@ -262,16 +265,18 @@ def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list
             weight = weight * ~repeated[last]
             keep = weight.sum(1) > 0  # prompt positions teach nothing: batches are drawn from answers only
             if bool(keep.any()):
-                parts.append((hidden[keep], teacher_index[keep], weight[keep]))
+                parts.append((hidden[keep.to(hidden.device)], teacher_index[keep], weight[keep]))
+    device = drafter.fc.weight.device
     if not parts and allow_empty:
-        return StudentFeatures(hidden=torch.zeros(0, steps, drafter.config.hidden_size),
-                               teacher_index=torch.zeros(0, steps, dtype=torch.long), weight=torch.zeros(0, steps))
+        return StudentFeatures(hidden=torch.zeros(0, steps, drafter.config.hidden_size, device=device),
+                               teacher_index=torch.zeros(0, steps, dtype=torch.long, device=device),
+                               weight=torch.zeros(0, steps, device=device))
     if not parts:
         raise SlimSpecError(f"no teacher sequence has answer tokens to learn from (each needs more than {steps} "
                             "tokens, some of them answer tokens)")
     return StudentFeatures(hidden=torch.cat([p[0] for p in parts]).float(),
-                           teacher_index=torch.cat([p[1] for p in parts]),
-                           weight=torch.cat([p[2] for p in parts]))
+                           teacher_index=torch.cat([p[1] for p in parts]).to(device),
+                           weight=torch.cat([p[2] for p in parts]).to(device))
 
 
 def _in_batches(drafter, teacher, indices, steps, source_rows, progress, desc, tokens=8192):
@@ -324,21 +329,22 @@ def source_states(drafter: Eagle3Drafter, teacher: TeacherData, indices: list[in
     backbone's states, not the moving student's.
     """
     k, size = steps, drafter.config.hidden_size
-    out = torch.zeros(teacher.num_tokens * k, size)
+    out = torch.zeros(teacher.num_tokens * k, size, device=drafter.fc.weight.device)
     for res in _in_batches(drafter, teacher, indices, steps, True, progress, "source drafter states"):
         if res is not None:
-            out[res[1].reshape(-1)] = res[0].reshape(-1, size).float()
+            out[res[1].reshape(-1).to(out.device)] = res[0].reshape(-1, size).float()
     return out
 
 
 def teacher_hidden(hidden: torch.Tensor, teacher_index: torch.Tensor, teacher: TeacherData, kind: str,
                    source: torch.Tensor | None = None) -> torch.Tensor:
     """Rows the teacher head multiplies: the target's final states, or (``drafter``) [h, 1] with h the
-    student's own state, or the source drafter's state (``source``: rows of ``source_states``)."""
+    student's own state, or the source drafter's state (``source``: rows of ``source_states``). On ``hidden``'s
+    device (the target's states are read from the CPU cache)."""
     if kind == "drafter":
         h = hidden.detach().float() if source is None else source[teacher_index]
         return torch.cat([h, h.new_ones(h.shape[0], 1, dtype=torch.float32)], 1)
-    return teacher.final[teacher_index].float()
+    return teacher.final[teacher_index.cpu()].to(device=hidden.device, dtype=torch.float32)
 
 
 def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.Tensor, weight: torch.Tensor,
@@ -422,7 +428,7 @@ def frozen_teacher_table(features: StudentFeatures, teacher: TeacherData, teache
     """The teacher's log-probabilities of every training row of a head-only run, or None where the table would
     not fit its budget (``slimspec.distill.teacher_table``): the loss then multiplies the teacher out per step."""
     rows, steps = features.weight.shape
-    dtype = table_dtype(rows, steps, teacher_head.shape[0])
+    dtype = table_dtype(rows, steps, teacher_head.shape[0], table_budget(features.hidden.device))
     if dtype is None:
         return None
 
@@ -473,6 +479,14 @@ def prepare_checkpoint_dir(folder: Path, resume: bool, overwrite: bool) -> None:
             path.unlink(missing_ok=True)
 
 
+def training_device(name: str | None) -> torch.device:
+    """Where a run distils for ``--device`` ``name`` (see :func:`slimspec.hardware.resolve_device`); the CPU under
+    torchrun, whose all-reduce and per-rank teacher tables are host-side."""
+    from slimspec.hardware import resolve_device
+
+    return torch.device("cpu") if _world()[1] > 1 else resolve_device(name)
+
+
 def distill_drafter(
     drafter: Eagle3Drafter,
     teacher: TeacherData,
@@ -483,15 +497,37 @@ def distill_drafter(
     resume: bool = False,
     progress: bool = True,
     keep_every: int = 0,
+    device: str | torch.device | None = None,
 ) -> DistillResult:
     """Train ``drafter`` (head only unless ``cfg.train_backbone``) in place against ``teacher``.
 
     ``keep_every`` > 0 keeps, of the checkpoints saved every ``cfg.save_every`` steps, only those of steps that
     are multiples of it and the latest (long runs: the resume point and a curve, not every save). Not part of
-    ``cfg``, so it can change between a run and its resume."""
+    ``cfg``, so it can change between a run and its resume.
+    ``device``: where the run computes (the drafter's features, the teacher table, the steps); None: where the
+    drafter is. The drafter is back on its own device afterwards, also after a failure; checkpoints hold CPU
+    tensors, so a run may resume on another device. Distributed (torchrun) runs compute on the CPU."""
+    rank, world = _world()
+    origin = drafter.fc.weight.device
+    device = torch.device(device) if device is not None else origin
+    if world > 1 and device.type != "cpu":
+        raise SlimSpecError(f"distributed distillation (torchrun) runs on the CPU; got device {device}")
+    run = _run_identity(teacher, teacher_head.float())  # before any move: the same sums on every device
+    drafter.to(device)
+    try:
+        return _distill(drafter, teacher, teacher_head.to(device), cfg, checkpoint_dir, resume, progress, keep_every,
+                        run)
+    finally:
+        drafter.to(origin)
+
+
+def _distill(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.Tensor, cfg: DistillConfig,
+             checkpoint_dir: Path | None, resume: bool, progress: bool, keep_every: int, run: dict) -> DistillResult:
+    """:func:`distill_drafter` on the device the drafter and ``teacher_head`` are on."""
     from tqdm.auto import tqdm
 
     rank, world = _world()
+    device = drafter.fc.weight.device
     torch.manual_seed(cfg.seed)
     teacher_head = teacher_head.float()
     k = cfg.ttt_steps
@@ -528,7 +564,6 @@ def distill_drafter(
     generator = torch.Generator().manual_seed(cfg.seed)
     history: list[dict] = []
     start_step = 0
-    run = _run_identity(teacher, teacher_head)
     if checkpoint_dir is not None and resume and (path := latest_checkpoint(checkpoint_dir)):
         state = torch.load(path, map_location="cpu", weights_only=True)
         # a field added since the checkpoint was written counts as its default (the behaviour it was written with)
@@ -556,7 +591,7 @@ def distill_drafter(
             logits, table_rows = None, None
         else:
             rows = torch.randint(0, train_features.hidden.shape[0], (cfg.batch_tokens,), generator=generator)
-            rows = rows[rank::world]
+            rows = rows[rank::world].to(device)
             hidden = train_features.hidden[rows]
             teacher_index, weight = train_features.teacher_index[rows], train_features.weight[rows]
             logits, table_rows = table, rows  # rows index the table (kl_terms gathers the kept ones)
@@ -622,11 +657,13 @@ def _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world, so
     parts = [p for p in parts if p is not None]
     if source_rows:
         parts = [(h, index, torch.ones_like(w)) for h, index, w in parts]
+    device = drafter.fc.weight.device
     if not parts:
         h = drafter.fc.weight.new_zeros(0, cfg.ttt_steps, drafter.config.hidden_size)
-        return h, torch.zeros(0, cfg.ttt_steps, dtype=torch.long), torch.zeros(0, cfg.ttt_steps)
-    return (torch.cat([p[0] for p in parts]).float(), torch.cat([p[1] for p in parts]),
-            torch.cat([p[2] for p in parts]))
+        return h, torch.zeros(0, cfg.ttt_steps, dtype=torch.long, device=device), torch.zeros(0, cfg.ttt_steps,
+                                                                                            device=device)
+    return (torch.cat([p[0] for p in parts]).float(), torch.cat([p[1] for p in parts]).to(device),
+            torch.cat([p[2] for p in parts]).to(device))
 
 
 def prune_checkpoints(folder: Path, keep_every: int) -> None:
@@ -641,14 +678,17 @@ def _run_identity(teacher: TeacherData, teacher_head: torch.Tensor) -> dict:
     """What a resumed run must share with the one that saved the checkpoint besides its config: the teacher data
     (cache key, sequences, tokens) and the teacher head (the source drafter's or the target's)."""
     return {"data_key": teacher.manifest.get("key"), "sequences": len(teacher), "tokens": teacher.num_tokens,
-            "teacher_head": [list(teacher_head.shape), float(teacher_head.double().sum())]}
+            "teacher_head": [list(teacher_head.shape), float(teacher_head.detach().cpu().double().sum())]}
 
 
 def _save_checkpoint(folder: Path, step: int, params, optimizer, generator, history, cfg, run: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = _checkpoint_path(folder, step)
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    torch.save({"step": step, "params": [p.detach().clone() for p in params], "optimizer": optimizer.state_dict(),
+    optimizer_state = optimizer.state_dict()  # CPU copies below: a run may resume on another device
+    optimizer_state["state"] = {k: {n: v.cpu() if torch.is_tensor(v) else v for n, v in state.items()}
+                                for k, state in optimizer_state["state"].items()}
+    torch.save({"step": step, "params": [p.detach().cpu().clone() for p in params], "optimizer": optimizer_state,
                 "rng": generator.get_state(), "history": history, "config": asdict(cfg), "run": run}, tmp)
     os.replace(tmp, path)
     return path
