@@ -1,4 +1,4 @@
-"""A conversion's distillation on a CUDA GPU against the same conversion on the CPU (``--device``; run by
+"""Distillation and the reference eval on a CUDA GPU against the same runs on the CPU (``--device``; run by
 ``make gpu-bench``).
 
     python scripts/gpu_distill_check.py              # needs a CUDA GPU
@@ -13,7 +13,9 @@ answers, so its key is the same on both devices): they differ only in where the 
 start, the teacher table and the steps are computed. Checks: the loss saw rows, head (and table) on the asked
 device, the written heads agree within 5e-2 relative and the held-out KLs after training within 2e-2 relative
 (float32 on both; Adam turns rounding-level gradient differences into lr-sized steps, so not bit for bit), and
-the CPU run lowered its held-out KL. Prints a table; exit 1 on a failure.
+the CPU run lowered its held-out KL. Then ``evaluate`` (the reference decoder, greedy) of the drafter-teacher
+conversion with the stand-in as baseline on both devices: every output identical to the baseline's (both are the
+target's own greedy output) and tau within 0.05. Prints two tables; exit 1 on a failure.
 """
 
 from __future__ import annotations
@@ -75,6 +77,19 @@ def written_head(folder: Path):
     if "lm_head_down.weight" in tensors:
         return tensors["lm_head.weight"].double() @ tensors["lm_head_down.weight"].double()
     return tensors["lm_head.weight"].double()
+
+
+EVAL_PROMPTS, EVAL_TOKENS = 4, 24
+
+
+def eval_on(where: str, drafter: Path, baseline: Path, target: Path) -> tuple[dict, float]:
+    """``evaluate`` (the reference decoder) of ``drafter`` with ``baseline`` on ``where``: (report, seconds)."""
+    from slimspec.evaluate.acceptance import evaluate
+
+    start = time.perf_counter()
+    report = evaluate(str(drafter), str(target), num_prompts=EVAL_PROMPTS, max_new_tokens=EVAL_TOKENS,
+                      baseline=str(baseline), progress=False, device=where)
+    return report, time.perf_counter() - start
 
 
 def main() -> int:
@@ -143,10 +158,24 @@ def main() -> int:
                                 f"{after[1]:.4f})")
             rows.append(f"| {case} | {before[0]:.4f} -> {after[0]:.4f} | {before[1]:.4f} -> {after[1]:.4f} | "
                         f"{head_diff:.2e} | {timings[0]:.2f} / {timings[1]:.2f} |")
+        evals = [eval_on(where, root / "out-drafter-1", drafter, target) for where in (device, "cpu")]
     print(f"distillation on {device} vs cpu (tiny Llama target, stand-in drafter; one teacher cache per case)")
     print(f"| case | held-out KL on {device} | on cpu | relative head difference | seconds ({device} / cpu) |\n"
           "|---|---|---|---|---|")
     print("\n".join(rows))
+    print(f"\nreference eval (greedy, {EVAL_PROMPTS} mt_bench prompts x {EVAL_TOKENS} tokens, K=4) of the converted "
+          "drafter, the stand-in as baseline")
+    print("| device | tau | baseline tau | outputs identical to the baseline's | seconds |\n|---|---|---|---|---|")
+    for where, (report, seconds) in zip((device, "cpu"), evals, strict=True):
+        print(f"| {where} | {report['tau']:.4f} | {report['baseline']['tau']:.4f} | "
+              f"{report['outputs_identical_to_baseline']} | {seconds:.2f} |")
+        if not report["outputs_identical_to_baseline"]:
+            failures.append(f"eval on {where}: greedy outputs differ between drafters (not the target's own)")
+        if report["device"] != str(torch.device(where)):
+            failures.append(f"eval on {where} ran on {report['device']}")
+    taus = [report["tau"] for report, _ in evals]
+    if abs(taus[0] - taus[1]) > 0.05:
+        failures.append(f"eval: tau {taus[0]:.4f} on {device} vs {taus[1]:.4f} on the CPU")
     for failure in failures:
         print(f"FAILED: {failure}")
     return 1 if failures else 0

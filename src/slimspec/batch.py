@@ -161,7 +161,8 @@ def run_job(job: dict[str, Any]) -> JobResult:
     if job.get("eval_prompts"):
         from slimspec.evaluate.acceptance import evaluate, record_tau
 
-        measured = evaluate(str(out), job.get("target"), num_prompts=int(job["eval_prompts"]), progress=False)
+        measured = evaluate(str(out), job.get("target"), num_prompts=int(job["eval_prompts"]), progress=False,
+                            device=job.get("device"))
         record_tau(out, measured)  # in slimspec.json: later skips report it, the pushed card shows it
         tau = measured["tau"]
     pushed = None

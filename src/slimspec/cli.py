@@ -431,15 +431,21 @@ def bench_group() -> None:
               help="Shipped prompts (answers regenerated) for distillation and VocabTrim counts.")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("out/plane"), show_default=True,
               help="Folder for the converted and trimmed drafters, plane.json, plane.md and plane.png.")
+@click.option("--device", default="auto", show_default=True,
+              help="Where the teacher data, the distillations and the tau measurements run: auto ($SLIMSPEC_DEVICE "
+                   "if set, else a CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda or cuda:N. The head "
+                   "latencies (nu) are always timed on the CPU.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_sizes: str, distill_steps: int,
                 num_prompts: int, max_new_tokens: int, kappas: str, calibration_prompts: int, out: Path,
-                as_json: bool) -> None:
+                device: str, as_json: bool) -> None:
     """Points (nu, rho_tau) for the full head, SlimSpec ranks and vocabulary trims; PNG + markdown table."""
     from slimspec.evaluate.plane import build_plane, plane_report
+    from slimspec.hardware import resolve_device
     from slimspec.plotting import pyplot
 
     pyplot()  # before the hour of measurements, not after
+    resolve_device(device)
     if any(v not in ("full", "draft") for v in vocabs.split(",")):
         raise click.BadParameter(f"expected full and/or draft, got {vocabs!r}", param_hint="--vocab")
     if target is None:
@@ -449,7 +455,7 @@ def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_
     points = build_plane(drafter, target, out, ranks=tuple(ranks.split(",")), vocabs=tuple(vocabs.split(",")),
                          trim_sizes=tuple(int(x) for x in trim_sizes.split(",")), distill_steps=distill_steps,
                          num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                         calibration_prompts=calibration_prompts)
+                         calibration_prompts=calibration_prompts, device=device)
     report = plane_report(points, tuple(float(k) for k in kappas.split(",")), out, f"{drafter} on {target}")
     if as_json:
         click.echo(json.dumps(report))
@@ -553,17 +559,20 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
 @click.option("--baseline", help="A second drafter measured in the same run (rho_tau = tau / tau_baseline).")
 @click.option("--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
               help="vllm: measure in a real vLLM engine (.venv-vllm, SlimSpec plugin), beside the reference decoder.")
+@click.option("--device", default="auto", show_default=True,
+              help="Where the reference decoder runs the target and the drafters: auto ($SLIMSPEC_DEVICE if set, "
+                   "else a CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda or cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def eval_command(drafter: str, target: str | None, dataset: str, num_prompts: int, max_new_tokens: int,
-                 draft_tokens: int, temperature: float, seed: int, baseline: str | None, engine: str,
+                 draft_tokens: int, temperature: float, seed: int, baseline: str | None, engine: str, device: str,
                  as_json: bool, quiet: bool) -> None:
     """Measure DRAFTER's acceptance length tau by reference speculative decoding against the target."""
     from slimspec.evaluate.acceptance import evaluate
 
     report = evaluate(drafter, target, dataset=dataset, num_prompts=num_prompts or None,
                       max_new_tokens=max_new_tokens, draft_tokens=draft_tokens, temperature=temperature, seed=seed,
-                      baseline=baseline, engine=engine, progress=not quiet)
+                      baseline=baseline, engine=engine, progress=not quiet, device=device)
     if as_json:
         click.echo(json.dumps(report))
         return

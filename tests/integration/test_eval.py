@@ -128,6 +128,25 @@ def test_cli_eval_json_with_baseline(tiny_converted, tiny_target, tmp_path):
         assert key in report and key in report["baseline"]
     assert report["rho_tau"] == pytest.approx(report["tau"] / report["baseline"]["tau"])
     assert report["outputs_identical_to_baseline"] is True  # both are lossless greedy decodes
+    assert report["device"] == "cpu"  # tests/conftest.py pins the CPU (auto would take a GPU)
+
+
+def test_eval_device_errors_before_loading_and_one_device_for_both_models(tiny_target, tmp_path, monkeypatch):
+    """Catches `eval --device cuda` on a machine without a GPU failing deep in a model load (or running on the CPU
+    silently), and a decoder whose drafter sits on another device than its target (a mismatch crash in the
+    first draft step, or CPU drafting beside a GPU target)."""
+    import slimspec.evaluate.acceptance as acceptance
+    from slimspec.distill.teacher import load_target_model
+
+    monkeypatch.setattr(acceptance, "load_for_eval", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    result = CliRunner().invoke(main, ["eval", str(tmp_path / "any"), "--device", "cuda", "-q"])
+    assert result.exit_code == 2 and "no CUDA GPU" in result.output, result.output
+    target, _ = load_target_model(tiny_target)
+    write_drafter(tmp_path / "d", "eagle", Spec(vocab=target.config.vocab_size, draft_vocab=512))
+    drafter = Eagle3Drafter.from_checkpoint(load_drafter(tmp_path / "d"),
+                                            embed_weight=target.model.embed_tokens.weight.detach())
+    with pytest.raises(ValueError, match="the drafter is on meta, the target on cpu"):
+        SpeculativeDecoder(target, drafter.to("meta"), (1, 2, 3))
 
 
 def test_sampling_with_a_16_bit_drafter_and_no_tokens_asked(tmp_path):

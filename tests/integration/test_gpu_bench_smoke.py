@@ -38,9 +38,9 @@ def test_gpu_teacher_check_cpu_smoke_passes(tmp_path):
 
 
 def test_gpu_distill_check_cpu_smoke_passes(tmp_path):
-    """Catches a gpu_distill_check.py (make gpu-bench's distillation-on-GPU check) that crashes or fails its own
-    checks when both runs of each case (convert with either teacher, from scratch) are on the CPU, where they must
-    agree exactly and lower the held-out KL."""
+    """Catches a gpu_distill_check.py (make gpu-bench's distillation- and eval-on-GPU check) that crashes or fails
+    its own checks when both runs of each case (convert with either teacher, from scratch, the reference eval) are on
+    the CPU, where they must agree exactly, lower the held-out KL and decode losslessly."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_distill_check.py"), "--cpu-smoke"],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -48,3 +48,5 @@ def test_gpu_distill_check_cpu_smoke_passes(tmp_path):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "e+00 |" in line]
     assert [line.split(" | ")[0] for line in lines] == ["| drafter", "| target", "| from-scratch"], proc.stdout
     assert all(" | 0.00e+00 | " in line for line in lines), proc.stdout
+    evals = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| cpu | ")]
+    assert len(evals) == 2 and evals[0][1:4] == evals[1][1:4] and evals[0][3] == "True", proc.stdout

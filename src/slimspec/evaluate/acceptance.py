@@ -88,29 +88,34 @@ def evaluate(
     baseline: str | None = None,
     engine: str = "reference",
     progress: bool = True,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """tau, per-position acceptance and tokens/s of ``drafter`` (and ``baseline``, with rho_tau) on eval prompts.
 
     ``engine="vllm"``: the top-level numbers come from a real vLLM engine (``.venv-vllm``, SlimSpec plugin),
     with the reference decoder's beside them under ``"reference"`` (same keys).
+    ``device``: where the reference decoder runs the target and the drafters (see
+    :func:`slimspec.hardware.resolve_device`; auto: a CUDA GPU when there is one).
     """
     if engine == "vllm":
         return _evaluate_both(drafter, target, dataset=dataset, num_prompts=num_prompts,
                               max_new_tokens=max_new_tokens, draft_tokens=draft_tokens, temperature=temperature,
-                              seed=seed, baseline=baseline, progress=progress)
+                              seed=seed, baseline=baseline, progress=progress, device=device)
     if engine != "reference":
         raise SlimSpecError(f"--engine must be 'reference' or 'vllm', got {engine!r}")
     from tqdm.auto import tqdm
 
     from slimspec.distill.teacher import _chat_ids, load_target_model, stop_token_ids
+    from slimspec.hardware import resolve_device
 
+    where = resolve_device(device)  # an unusable device is an error before any model loads
     model, layers, parts, target = load_for_eval(drafter, target)
     prompts = eval_prompts(dataset, num_prompts)
-    target_model, tokenizer = load_target_model(parts.path)
-    runs = [("drafter", model, layers)]
+    target_model, tokenizer = load_target_model(parts.path, device=where)
+    runs = [("drafter", model.to(where), layers)]
     if baseline is not None:
         base_model, base_layers, _, _ = load_for_eval(baseline, target)
-        runs.append(("baseline", base_model, base_layers))
+        runs.append(("baseline", base_model.to(where), base_layers))
     results: dict[str, Any] = {}
     outputs: dict[str, list[list[int]]] = {}
     for name, draft_model, aux in runs:
@@ -126,7 +131,7 @@ def evaluate(
             stats.add(s)
         results[name] = _stats_dict(stats, len(prompts))
     report = {**results["drafter"], "drafter": drafter, "target": target, "target_path": str(parts.path),
-              "dataset": dataset,
+              "dataset": dataset, "device": str(where),
               "draft_tokens": draft_tokens, "temperature": temperature, "max_new_tokens": max_new_tokens}
     if baseline is not None:
         report["baseline"] = {**results["baseline"], "drafter": baseline}
@@ -164,13 +169,13 @@ def target_greedy(target_model, prompt_ids: list[int], max_new_tokens: int, eos:
 
 def _evaluate_both(drafter: str, target: str | None, *, dataset: str, num_prompts: int | None, max_new_tokens: int,
                    draft_tokens: int, temperature: float, seed: int, baseline: str | None,
-                   progress: bool) -> dict[str, Any]:
+                   progress: bool, device: str | None) -> dict[str, Any]:
     from slimspec.evaluate.vllm_engine import evaluate_vllm
     from slimspec.hub import resolve_model
 
     reference = evaluate(drafter, target, dataset=dataset, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                          draft_tokens=draft_tokens, temperature=temperature, seed=seed, baseline=baseline,
-                         progress=progress)
+                         progress=progress, device=device)
     target_path = resolve_model(reference["target_path"], "model")  # the revision the reference engine ran
     prompts = eval_prompts(dataset, num_prompts)
 

@@ -57,7 +57,7 @@ def build_plane(
     each rank and the VocabTrim token counts (the target's own generations). ``base_tau``: the original
     drafter's tau at the same settings, when the caller has measured it already. Each rank is distilled
     ``distill_steps`` head-only steps with the demo's recipe (:func:`brief_distillation`: the source drafter's
-    head as teacher)."""
+    head as teacher). ``device``: where the teacher data, the distillations and the tau measurements run."""
     from slimspec.checkpoint import load_drafter
     from slimspec.convert.pipeline import convert
     from slimspec.distill.pipeline import brief_distillation, load_target_parts
@@ -74,11 +74,11 @@ def build_plane(
     parts = load_target_parts(target)
     # the demo's recipe (drafter teacher, its lr and batch) at the plane's own prompts and steps
     options, recipe = brief_distillation(distill_steps)
-    options = replace(options, num_prompts=calibration_prompts, device=device)  # device: the teacher data's
+    options = replace(options, num_prompts=calibration_prompts, device=device)  # teacher data and distillation
 
     def tau_of(folder: str) -> float:
         return evaluate(folder, target, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                        progress=progress)["tau"]
+                        progress=progress, device=device)["tau"]
 
     if base_tau is None:
         base_tau = tau_of(str(source))

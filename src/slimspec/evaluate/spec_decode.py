@@ -7,7 +7,8 @@ back its pre-norm output with the last drafted token at the next position. The t
 [x_m, d_1..d_K] in one forward: greedy accepts the longest prefix of d that matches its argmax (at
 temperature > 0, speculative sampling: accept with min(1, p/q), resample from norm(max(0, p - q))).
 Both KV caches are cropped back to committed positions; the drafter recomputes the accepted positions
-from the target's real features next round.
+from the target's real features next round. Target and drafter share one device (a GPU or the CPU); the random
+draws take CPU copies of the distributions, so a seed gives the same draws wherever the models run.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _crop(cache: KVCache | None, length: int) -> KVCache | None:
 def _draft_distribution(logits: Tensor, drafter: Eagle3Drafter, vocab: int, temperature: float) -> Tensor:
     """Drafter probabilities over the target vocabulary (draft tokens mapped through d2t)."""
     full = torch.full((vocab,), float("-inf"), dtype=torch.float32, device=logits.device)  # any drafter dtype
-    full[drafter.draft_to_target(torch.arange(logits.shape[-1]))] = logits.float()
+    full[drafter.draft_to_target(torch.arange(logits.shape[-1], device=logits.device))] = logits.float()
     return torch.softmax(full / temperature, dim=-1)
 
 
@@ -79,14 +80,18 @@ class SpeculativeDecoder:
         self.temperature = temperature
         eos = eos_token_id if eos_token_id is not None else target.config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # CPU draws (see the module docstring)
         self.vocab = int(target.config.vocab_size)
+        self.device = next(target.parameters()).device
+        if drafter.fc.weight.device != self.device:
+            raise ValueError(f"the drafter is on {drafter.fc.weight.device}, the target on {self.device}: "
+                             "speculative decoding needs both on one device")
 
     def _target_step(self, ids: list[int], cache):
         from transformers import DynamicCache
 
         cache = cache if cache is not None else DynamicCache(config=self.target.config)
-        out = self.target(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
+        out = self.target(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True,
                           output_hidden_states=True)
         aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layers], dim=-1)
         return out.logits[0].float(), aux, out.past_key_values
@@ -94,7 +99,7 @@ class SpeculativeDecoder:
     def _pick(self, logits: Tensor) -> int:
         if self.temperature <= 0:
             return int(logits.argmax())
-        probs = torch.softmax(logits / self.temperature, dim=-1)
+        probs = torch.softmax(logits / self.temperature, dim=-1).cpu()
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
     @torch.no_grad()
@@ -104,7 +109,7 @@ class SpeculativeDecoder:
         if max_new_tokens <= 0:
             return [], stats
         start = time.perf_counter()
-        drafter, dtype = self.drafter, self.drafter.fc.weight.dtype
+        drafter, dtype, device = self.drafter, self.drafter.fc.weight.dtype, self.device
         logits, feats, tcache = self._target_step(list(prompt_ids), None)
         tokens = list(prompt_ids) + [self._pick(logits[-1])]
         features = [feats]  # target features of committed positions 0..m-1 (m = len(tokens) - 1)
@@ -113,8 +118,8 @@ class SpeculativeDecoder:
         while len(tokens) - len(prompt_ids) < max_new_tokens and tokens[-1] not in self.eos:
             m = len(tokens) - 1
             f = torch.cat(features)[done:m]
-            ids = torch.tensor([tokens[done + 1:m + 1]])
-            positions = torch.arange(done, m)[None]
+            ids = torch.tensor([tokens[done + 1:m + 1]], device=device)
+            positions = torch.arange(done, m, device=device)[None]
             h, dcache = drafter(input_ids=ids, hidden=drafter.combine(f[None].to(dtype)), positions=positions,
                                 past_key_values=dcache)
             done = m
@@ -124,15 +129,17 @@ class SpeculativeDecoder:
             for j in range(self.k):
                 logit = drafter.logits(h)[0, -1]
                 if self.temperature > 0:
-                    q = _draft_distribution(logit, drafter, self.vocab, self.temperature)
+                    q = _draft_distribution(logit, drafter, self.vocab, self.temperature).cpu()
                     d = int(torch.multinomial(q, 1, generator=self.generator))
                     qs.append(q)
                 else:
                     d = int(drafter.draft_to_target(logit.argmax().view(1)))
                 drafts.append(d)
                 if j + 1 < self.k:
-                    h, chain_cache = drafter(input_ids=torch.tensor([[d]]), hidden=drafter.next_hidden(h),
-                                             positions=torch.tensor([[m + j]]), past_key_values=chain_cache)
+                    h, chain_cache = drafter(input_ids=torch.tensor([[d]], device=device),
+                                             hidden=drafter.next_hidden(h),
+                                             positions=torch.tensor([[m + j]], device=device),
+                                             past_key_values=chain_cache)
             logits, feats, tcache = self._target_step([tokens[-1]] + drafts, tcache)
             accepted, next_token = self._verify(drafts, qs, logits)
             stats.rounds += 1
@@ -164,7 +171,7 @@ class SpeculativeDecoder:
             while accepted < len(drafts) and drafts[accepted] == target_ids[accepted]:
                 accepted += 1
             return accepted, target_ids[accepted]
-        ps = torch.softmax(logits / self.temperature, dim=-1)
+        ps = torch.softmax(logits / self.temperature, dim=-1).cpu()
         for j, (d, q) in enumerate(zip(drafts, qs, strict=True)):
             p = ps[j]
             if float(torch.rand((), generator=self.generator)) < min(1.0, float(p[d] / q[d].clamp_min(1e-30))):
