@@ -147,3 +147,46 @@ def test_teacher_rows_follow_the_student_device():
     # the drafter teacher: [h, 1] of the student's own rows, where they are
     own = teacher_hidden(hidden, torch.tensor([1, 5, 9], device="meta"), cache, "drafter")
     assert own.device == torch.device("meta") and own.shape == (3, 5)
+
+
+class _Loaded:
+    """What a patched ``from_pretrained`` hands back: records ``.to`` calls."""
+
+    def __init__(self):
+        self.moves = []
+
+    def eval(self):
+        return self
+
+    def to(self, device):
+        self.moves.append(device)
+        return self
+
+
+def test_target_loads_straight_onto_the_gpu(monkeypatch, tmp_path):
+    """Catches a GPU load that materialises the whole target on the host first (an 8B float32 target: 32 GB of host
+    memory on the way to the GPU) where accelerate could place the weights directly, and a load without accelerate
+    that forgets to move the model (the target then runs on CPU cores)."""
+    import importlib.util
+
+    import transformers
+
+    import slimspec.distill.teacher as teacher
+
+    calls = []
+
+    def loading(path, **kwargs):
+        calls.append(kwargs)
+        return _Loaded()
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loading)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: "tokenizer")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    model, tokenizer = teacher.load_target_model(tmp_path, torch.bfloat16, "cuda")
+    assert calls[-1] == {"dtype": torch.bfloat16, "device_map": {"": torch.device("cuda", 0)}}
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else find_spec(name))
+    model, _ = teacher.load_target_model(tmp_path, torch.float32, "cuda:1")
+    assert calls[-1] == {"dtype": torch.float32} and model.moves == [torch.device("cuda", 1)]
+    model, _ = teacher.load_target_model(tmp_path, torch.float32)
+    assert calls[-1] == {"dtype": torch.float32} and model.moves == []  # the CPU: no device_map, no move

@@ -259,16 +259,26 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 
 def load_target_model(target_path: Path, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-    """The target as a transformers causal LM (eval mode, on ``device``: default the CPU) and its tokenizer."""
+    """The target as a transformers causal LM (eval mode, on ``device``: default the CPU) and its tokenizer.
+
+    On a GPU with ``accelerate`` installed, the weights load straight onto the device (``device_map``): an 8B
+    float32 target never takes 32 GB of host memory on the way; without it they pass through the CPU."""
+    import importlib.util
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype)
+    where = torch.device(device) if device is not None else torch.device("cpu")
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", torch.cuda.current_device())
+    direct = where.type != "cpu" and importlib.util.find_spec("accelerate") is not None  # transformers needs it
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype,
+                                                 **({"device_map": {"": where}} if direct else {}))
     model.eval()
-    if device is not None and torch.device(device).type != "cpu":
-        model.to(device)
+    if where.type != "cpu":
+        model.to(where)  # without accelerate; a no-op after a direct load
     return model, tokenizer
 
 
