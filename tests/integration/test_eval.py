@@ -160,3 +160,37 @@ def test_sampling_with_a_16_bit_drafter_and_no_tokens_asked(tmp_path):
     out, stats = decoder.generate([3, 1, 4, 1, 5], 10)
     assert len(out) == 10 and stats.new_tokens == 10 and stats.rounds > 0
     assert decoder.generate([3, 1, 4], 0)[0] == []
+
+
+def test_gpu_eval_frees_its_models_before_returning(monkeypatch):
+    """Catches a reference eval on a GPU that keeps its float32 target cached on the device after it returns:
+    `eval --engine vllm` then starts vLLM beside it, and vLLM refuses to start for want of free GPU memory."""
+    import gc
+    import weakref
+
+    import slimspec.evaluate.acceptance as acceptance
+
+    held = {}
+
+    class Model:
+        pass
+
+    def decoding(drafter, target, baseline, prompts, where, **kwargs):
+        model = Model()
+        held["model"] = weakref.ref(model)
+        held["where"] = where
+        stats = {"tau": 1.5, "acceptance_per_position": [0.5], "tokens_per_second": 1.0, "num_prompts": 1}
+        return {"drafter": stats}, {"drafter": [[1]]}, "t", "/t"
+
+    freed = []
+    monkeypatch.setattr(acceptance, "_decode_runs", decoding)
+    import slimspec.hardware as hardware
+
+    monkeypatch.setattr(hardware, "resolve_device", lambda d: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(held["model"]() is None))
+    gc.disable()  # the model must be gone by reference counting or by the eval's own collection, not by chance
+    try:
+        report = acceptance.evaluate("d", "t", num_prompts=1, progress=False, device="cuda")
+    finally:
+        gc.enable()
+    assert freed == [True] and report["device"] == "cuda" and held["where"] == torch.device("cuda")

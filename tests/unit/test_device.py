@@ -190,3 +190,17 @@ def test_target_loads_straight_onto_the_gpu(monkeypatch, tmp_path):
     assert calls[-1] == {"dtype": torch.float32} and model.moves == [torch.device("cuda", 1)]
     model, _ = teacher.load_target_model(tmp_path, torch.float32)
     assert calls[-1] == {"dtype": torch.float32} and model.moves == []  # the CPU: no device_map, no move
+
+
+def test_full_head_factors_sit_on_the_head_device():
+    """Catches the identity `down` factor of a full head built on the CPU beside a head on a GPU: the first KL of
+    `distill --from-scratch` (full head) or of distilling a plain EAGLE-3 drafter crashed with a device mismatch."""
+    from types import SimpleNamespace
+
+    from slimspec.distill.train import head_factors
+    from slimspec.model import FullHead
+
+    down, up = head_factors(SimpleNamespace(lm_head=FullHead(torch.empty(10, 4, device="meta"))))
+    assert down.device == up.device == torch.device("meta") and down.shape == (4, 4)
+    down, up = head_factors(SimpleNamespace(lm_head=FullHead(torch.randn(10, 4))))
+    assert torch.equal(down, torch.eye(4)) and up.shape == (10, 4)

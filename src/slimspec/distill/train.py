@@ -303,7 +303,7 @@ def head_factors(drafter: Eagle3Drafter) -> tuple[torch.Tensor, torch.Tensor]:
     down = head.weight_down
     if down is None:
         up = head.weight_up
-        return torch.eye(up.shape[1], dtype=up.dtype), up
+        return torch.eye(up.shape[1], dtype=up.dtype, device=up.device), up
     return down, head.weight_up
 
 

@@ -103,14 +103,39 @@ def evaluate(
                               seed=seed, baseline=baseline, progress=progress, device=device)
     if engine != "reference":
         raise SlimSpecError(f"--engine must be 'reference' or 'vllm', got {engine!r}")
-    from tqdm.auto import tqdm
-
-    from slimspec.distill.teacher import _chat_ids, load_target_model, stop_token_ids
     from slimspec.hardware import resolve_device
 
     where = resolve_device(device)  # an unusable device is an error before any model loads
-    model, layers, parts, target = load_for_eval(drafter, target)
     prompts = eval_prompts(dataset, num_prompts)
+    results, outputs, target, target_path = _decode_runs(drafter, target, baseline, prompts, where,
+                                                         max_new_tokens=max_new_tokens, draft_tokens=draft_tokens,
+                                                         temperature=temperature, seed=seed, progress=progress)
+    if where.type == "cuda":  # the models are gone now: hand their memory back (a vLLM engine may start next)
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    report = {**results["drafter"], "drafter": drafter, "target": target, "target_path": target_path,
+              "dataset": dataset, "device": str(where),
+              "draft_tokens": draft_tokens, "temperature": temperature, "max_new_tokens": max_new_tokens}
+    if baseline is not None:
+        report["baseline"] = {**results["baseline"], "drafter": baseline}
+        report["rho_tau"] = results["drafter"]["tau"] / results["baseline"]["tau"]
+        if temperature <= 0:
+            report["outputs_identical_to_baseline"] = outputs["drafter"] == outputs["baseline"]
+    return report
+
+
+def _decode_runs(drafter: str, target: str | None, baseline: str | None, prompts: list[str], where: torch.device, *,
+                 max_new_tokens: int, draft_tokens: int, temperature: float, seed: int, progress: bool
+                 ) -> tuple[dict[str, Any], dict[str, list[list[int]]], str, str]:
+    """Reference decodes of ``prompts`` by ``drafter`` (and ``baseline``) on ``where``: (stats per run, outputs per
+    run, the target's name, its folder). The models live only inside this call."""
+    from tqdm.auto import tqdm
+
+    from slimspec.distill.teacher import _chat_ids, load_target_model, stop_token_ids
+
+    model, layers, parts, target = load_for_eval(drafter, target)
     target_model, tokenizer = load_target_model(parts.path, device=where)
     runs = [("drafter", model.to(where), layers)]
     if baseline is not None:
@@ -130,15 +155,7 @@ def evaluate(
             outputs[name].append(out)
             stats.add(s)
         results[name] = _stats_dict(stats, len(prompts))
-    report = {**results["drafter"], "drafter": drafter, "target": target, "target_path": str(parts.path),
-              "dataset": dataset, "device": str(where),
-              "draft_tokens": draft_tokens, "temperature": temperature, "max_new_tokens": max_new_tokens}
-    if baseline is not None:
-        report["baseline"] = {**results["baseline"], "drafter": baseline}
-        report["rho_tau"] = results["drafter"]["tau"] / results["baseline"]["tau"]
-        if temperature <= 0:
-            report["outputs_identical_to_baseline"] = outputs["drafter"] == outputs["baseline"]
-    return report
+    return results, outputs, target, str(parts.path)
 
 
 def record_tau(folder: str | Path, report: dict[str, Any]) -> None:
