@@ -20,7 +20,6 @@ target's own greedy output) and tau within 0.05. Prints two tables; exit 1 on a 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -93,20 +92,14 @@ def eval_on(where: str, drafter: Path, baseline: Path, target: Path) -> tuple[di
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--cpu-smoke", action="store_true", help="both runs on the CPU (no GPU needed)")
-    args = parser.parse_args()
+    from gpu_teacher_check import device_from_args, tiny_target
+
+    device = device_from_args(__doc__, "gpu_distill_check.py")
 
     import torch
-    from gpu_teacher_check import tiny_target
 
     import slimspec.distill.train as train
     from slimspec.standin import build_standin_drafter
-
-    device = "cpu" if args.cpu_smoke else args.device
-    if device != "cpu" and not torch.cuda.is_available():
-        sys.exit("gpu_distill_check.py needs a CUDA GPU (or --cpu-smoke); nothing was checked.")
     seen: set[str] = set()  # devices of the rows, head and teacher table the loss saw in one run
     terms = train.kl_terms
 

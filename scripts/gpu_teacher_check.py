@@ -50,21 +50,29 @@ def tiny_target(folder: Path) -> Path:
     return folder
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def device_from_args(doc: str, script: str) -> str:
+    """The device a GPU check compares with the CPU: ``--device`` (default cuda), or the CPU with ``--cpu-smoke``
+    (both runs on the CPU: tests the script itself). Exits where the device is a GPU and PyTorch sees none."""
+    import torch
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--cpu-smoke", action="store_true", help="both builds on the CPU (no GPU needed)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="both runs on the CPU (no GPU needed)")
     args = parser.parse_args()
+    device = "cpu" if args.cpu_smoke else args.device
+    if device != "cpu" and not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA GPU (or --cpu-smoke); nothing was checked.")
+    return device
+
+
+def main() -> int:
+    device = device_from_args(__doc__, "gpu_teacher_check.py")
 
     import torch
 
     import slimspec.distill.teacher as teacher
     from slimspec.distill.prompts import Prompt
     from slimspec.distill.teacher import TeacherSettings, build_teacher_data
-
-    device = "cpu" if args.cpu_smoke else args.device
-    if device != "cpu" and not torch.cuda.is_available():
-        sys.exit("gpu_teacher_check.py needs a CUDA GPU (or --cpu-smoke); nothing was checked.")
     seen: set[str] = set()  # "features@device" / "answers@device dtype" of the target's calls in one build
     forward, answer = teacher._features, teacher._generate
 
