@@ -507,7 +507,7 @@ def distill_drafter(
     ``device``: where the run computes (the drafter's features, the teacher table, the steps); None: where the
     drafter is. The drafter is back on its own device afterwards, also after a failure; checkpoints hold CPU
     tensors, so a run may resume on another device. Distributed (torchrun) runs compute on the CPU."""
-    rank, world = _world()
+    world = _world()[1]
     origin = drafter.fc.weight.device
     device = torch.device(device) if device is not None else origin
     if world > 1 and device.type != "cpu":
