@@ -433,8 +433,8 @@ def bench_group() -> None:
               help="Folder for the converted and trimmed drafters, plane.json, plane.md and plane.png.")
 @click.option("--device", default="auto", show_default=True,
               help="Where the teacher data, the distillations and the tau measurements run: auto ($SLIMSPEC_DEVICE "
-                   "if set, else a CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda or cuda:N. The head "
-                   "latencies (nu) are always timed on the CPU.")
+                   "if set, else a CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda or cuda:N; the head "
+                   "latencies (nu) are timed there too.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_sizes: str, distill_steps: int,
                 num_prompts: int, max_new_tokens: int, kappas: str, calibration_prompts: int, out: Path,
@@ -478,14 +478,21 @@ def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_
 @click.option("--target", "-t", help="Target for --kappa (default: the checkpoint's).")
 @click.option("--rho-tau", type=float, help="Acceptance ratio for the predicted end-to-end speed-up [default: the "
               "checkpoint's recorded rho_tau (--rank auto), else 1].")
+@click.option("--device", default="auto", show_default=True,
+              help="Where the heads (and, with --kappa, the drafter and the target) are timed: auto ($SLIMSPEC_DEVICE "
+                   "if set, else a CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda or cuda:N. Time where "
+                   "you serve.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None, rank: int | None,
                   source_vocab: int | None, batches: tuple[int, ...], dtypes: tuple[str, ...], with_kappa: bool,
-                  target: str | None, rho_tau: float | None, as_json: bool) -> None:
+                  target: str | None, rho_tau: float | None, device: str, as_json: bool) -> None:
     """Head latency of the low-rank head vs the full one (nu), the FLOP floor, kappa and predicted rho_TPS."""
     import torch
 
     from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
+    from slimspec.hardware import resolve_device
+
+    where = resolve_device(device)
 
     if any(b <= 0 for b in batches):
         raise click.BadParameter("batch sizes must be > 0", param_hint="--batch")
@@ -508,7 +515,7 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
     elif min(vocab, hidden, rank) <= 0 or (source_vocab is not None and source_vocab <= 0):
         raise click.UsageError("--vocab, --hidden, --rank and --source-vocab must be > 0")
     names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    rows = [head_latency(vocab, hidden, rank, batch=b, dtype=names[d], source_vocab=source_vocab)
+    rows = [head_latency(vocab, hidden, rank, batch=b, dtype=names[d], source_vocab=source_vocab, device=where)
             for d in (dtypes or ("fp32",)) for b in (batches or (1, 64))]
     result = {"head": rows}
     if with_kappa:
@@ -518,8 +525,9 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
         from slimspec.evaluate.acceptance import load_for_eval
 
         drafter, _, parts, _ = load_for_eval(checkpoint, target)
-        target_model, _ = load_target_model(parts.path)
-        result["kappa"] = measure = measure_kappa(target_model, drafter, full_head_rows=source_vocab or vocab)
+        target_model, _ = load_target_model(parts.path, device=where)
+        result["kappa"] = measure = measure_kappa(target_model, drafter.to(where),
+                                                  full_head_rows=source_vocab or vocab)
         nu1 = next(r["nu"] for r in rows if r["batch"] == min(r2["batch"] for r2 in rows))
         result["rho_tau"] = rho_tau if rho_tau is not None else 1.0
         result["predicted_rho_tps"] = predicted_speedup(result["rho_tau"], nu1, measure["kappa"])
@@ -527,7 +535,7 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
         click.echo(json.dumps(result))
         return
     click.echo(f"head V={vocab} (full head: {source_vocab or vocab} rows), d={hidden}, r={rank}; greedy step = "
-               "logits + argmax, torch")
+               f"logits + argmax, torch on {where}")
     click.echo(f"{'dtype':<10}{'batch':>6}{'full (ms)':>12}{'low-rank (ms)':>15}{'nu':>8}{'FLOP floor':>12}")
     for r in rows:
         click.echo(f"{r['dtype']:<10}{r['batch']:>6}{r['full_s'] * 1e3:>12.3f}{r['lowrank_s'] * 1e3:>15.3f}"

@@ -139,15 +139,18 @@ def test_bench_kappa_times_the_source_head(tiny_converted, tiny_target):
 
 
 def test_cli_refuses_a_cuda_device_without_a_gpu(tmp_path):
-    """Catches `--device cuda` on a machine without CUDA failing after the conversion's first stages (or being
-    ignored): it is a one-line usage error before any work."""
+    """Catches `--device cuda` on a machine without CUDA failing after the conversion's first stages, a model load or
+    an hour of plane measurements (or being ignored): it is a one-line usage error before any work."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA GPU")
     for command in (["convert", "embedded:smollm2-135m-eagle3", "-o", str(tmp_path / "o")],
-                    ["distill", "embedded:smollm2-135m-eagle3", "-o", str(tmp_path / "d")]):
+                    ["distill", "embedded:smollm2-135m-eagle3", "-o", str(tmp_path / "d")],
+                    ["eval", "embedded:smollm2-135m-eagle3"],
+                    ["bench", "head", "--vocab", "64", "--hidden", "8", "--rank", "2"],
+                    ["bench", "plane", "embedded:smollm2-135m-eagle3", "-o", str(tmp_path / "p")]):
         result = CliRunner().invoke(main, [*command, "--device", "cuda"])
-        assert result.exit_code == 2, result.output
+        assert result.exit_code == 2, (command, result.output)
         assert "no CUDA GPU" in result.output
-        assert not (tmp_path / "o").exists() and not (tmp_path / "d").exists()
+        assert not any((tmp_path / name).exists() for name in ("o", "d", "p"))

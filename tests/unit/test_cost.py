@@ -29,6 +29,24 @@ def test_head_latency_runs_both_heads():
     assert head_latency(500, 32, 4, dtype=torch.bfloat16, repeats=2)["dtype"] == "bfloat16"
 
 
+def test_gpu_timings_wait_for_the_device(monkeypatch):
+    """Catches a GPU timing that stops the clock while the kernels are still queued (CUDA launches are
+    asynchronous: a head 'timed' in microseconds whatever its size, a meaningless nu): every timed batch, and the
+    first call that sizes the batches, starts and ends with the device's synchronisation."""
+    from slimspec.evaluate import cost
+
+    events = []
+    cost.best_time(lambda: events.append("call"), repeats=3, warmup=2, min_seconds=0.0,
+                   sync=lambda: events.append("sync"))
+    assert events == ["call"] * 2 + ["sync", "call", "sync"] + ["sync", "call", "sync"] * 3
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    cost.synchronizer("cpu")()
+    cost.synchronizer("cuda:1")()
+    assert waited == ["cuda:1"]
+    assert head_latency(500, 32, 4, repeats=2)["device"] == "cpu"
+
+
 def test_kappa_times_the_full_head_a_slimspec_drafter_replaced(tiny_converted, tiny_target, monkeypatch):
     """kappa is the *original* head's share of a cycle: rho_TPS applies nu to it. Catches kappa measured on the
     low-rank head (about nu * kappa; rho_TPS then undercounts the gain). Each timed piece is "timed" by its

@@ -2,6 +2,9 @@
 
 rho_TPS = rho_tau * (1 + kappa) / (1 + nu * kappa), with kappa = draft-head time / rest of a draft+verify
 cycle and nu = low-rank head time / full head time (SlimSpec, arXiv 2605.10453).
+
+Timings run on a ``device`` (default the CPU): on a CUDA GPU each timed batch ends with a synchronisation, so the
+clock reads the kernels' time, not their launch.
 """
 
 from __future__ import annotations
@@ -23,19 +26,33 @@ def predicted_speedup(rho_tau: float, nu: float, kappa: float) -> float:
     return rho_tau * (1 + kappa) / (1 + nu * kappa)
 
 
-def best_time(fn: Callable[[], Any], *, repeats: int = 20, warmup: int = 3, min_seconds: float = 0.2) -> float:
-    """Median seconds per call over ``repeats`` timed batches (each at least ``min_seconds`` long)."""
+def synchronizer(device: torch.device | str | None) -> Callable[[], None]:
+    """What waits for ``device``'s queued work: ``torch.cuda.synchronize`` on a CUDA GPU, nothing on the CPU."""
+    if device is not None and torch.device(device).type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def best_time(fn: Callable[[], Any], *, repeats: int = 20, warmup: int = 3, min_seconds: float = 0.2,
+              sync: Callable[[], None] | None = None) -> float:
+    """Median seconds per call over ``repeats`` timed batches (each at least ``min_seconds`` long). ``sync`` (see
+    :func:`synchronizer`) runs before each clock start and before each clock stop."""
+    sync = sync or (lambda: None)
     for _ in range(warmup):
         fn()
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     once = max(time.perf_counter() - start, 1e-7)
     inner = max(1, int(min_seconds / once / max(repeats, 1)) + 1)
     samples = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         for _ in range(inner):
             fn()
+        sync()
         samples.append((time.perf_counter() - start) / inner)
     samples.sort()
     return samples[len(samples) // 2]
@@ -43,29 +60,31 @@ def best_time(fn: Callable[[], Any], *, repeats: int = 20, warmup: int = 3, min_
 
 @torch.no_grad()
 def head_latency(vocab: int, hidden: int, rank: int, *, batch: int = 1, dtype: torch.dtype = torch.float32,
-                 source_vocab: int | None = None, repeats: int = 15, seed: int = 0) -> dict[str, float]:
+                 source_vocab: int | None = None, repeats: int = 15, seed: int = 0,
+                 device: torch.device | str = "cpu") -> dict[str, float]:
     """Greedy head step (logits + argmax), full ``[V_src, d]`` vs low-rank ``[V, r] @ [r, d]``, side by side."""
     g = torch.Generator().manual_seed(seed)
     src = source_vocab or vocab
-    w = torch.randn(src, hidden, generator=g).to(dtype)
-    up = torch.randn(vocab, rank, generator=g).to(dtype)
-    down = torch.randn(rank, hidden, generator=g).to(dtype)
-    h = torch.randn(batch, hidden, generator=g).to(dtype)
-    full = best_time(lambda: torch.argmax(h @ w.T, dim=-1), repeats=repeats)
-    low = best_time(lambda: torch.argmax((h @ down.T) @ up.T, dim=-1), repeats=repeats)
+    w = torch.randn(src, hidden, generator=g).to(device=device, dtype=dtype)
+    up = torch.randn(vocab, rank, generator=g).to(device=device, dtype=dtype)
+    down = torch.randn(rank, hidden, generator=g).to(device=device, dtype=dtype)
+    h = torch.randn(batch, hidden, generator=g).to(device=device, dtype=dtype)
+    sync = synchronizer(device)
+    full = best_time(lambda: torch.argmax(h @ w.T, dim=-1), repeats=repeats, sync=sync)
+    low = best_time(lambda: torch.argmax((h @ down.T) @ up.T, dim=-1), repeats=repeats, sync=sync)
     return {"full_s": full, "lowrank_s": low, "nu": low / full, "flop_floor": flop_floor(vocab, hidden, rank, src),
             "vocab": vocab, "source_vocab": src, "hidden": hidden, "rank": rank, "batch": batch,
-            "dtype": str(dtype).removeprefix("torch.")}
+            "dtype": str(dtype).removeprefix("torch."), "device": str(torch.device(device))}
 
 
 @torch.no_grad()
 def full_head_seconds(rows: int, hidden: int, *, batch: int = 1, dtype: torch.dtype = torch.float32,
-                      repeats: int = 15, seed: int = 0) -> float:
+                      repeats: int = 15, seed: int = 0, device: torch.device | str = "cpu") -> float:
     """Greedy step (logits + argmax) of a full ``[rows, hidden]`` head."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(rows, hidden, generator=g).to(dtype)
-    h = torch.randn(batch, hidden, generator=g).to(dtype)
-    return best_time(lambda: torch.argmax(h @ w.T, dim=-1), repeats=repeats)
+    w = torch.randn(rows, hidden, generator=g).to(device=device, dtype=dtype)
+    h = torch.randn(batch, hidden, generator=g).to(device=device, dtype=dtype)
+    return best_time(lambda: torch.argmax(h @ w.T, dim=-1), repeats=repeats, sync=synchronizer(device))
 
 
 @torch.no_grad()
@@ -76,36 +95,38 @@ def measure_kappa(target, drafter, *, full_head_rows: int | None = None, draft_t
     kappa is the original head's share (the paper's model, :func:`predicted_speedup`, applies nu to it), so a
     SlimSpec drafter's head is timed as the full ``[full_head_rows, d]`` head it replaced (default: its own head's
     rows); its low-rank head's step is reported beside it (``lowrank_head_s``). The pieces are timed separately at
-    a context of ``context`` tokens, batch 1.
+    a context of ``context`` tokens, batch 1, on the device the drafter and the target share.
     """
     import torch.nn.functional as F
     from transformers import DynamicCache
 
     hidden = drafter.config.hidden_size
-    ids = torch.randint(0, int(target.config.vocab_size), (1, context))
+    device = drafter.fc.weight.device
+    sync = synchronizer(device)
+    ids = torch.randint(0, int(target.config.vocab_size), (1, context), device=device)
     cache = DynamicCache(config=target.config)
     target(input_ids=ids, past_key_values=cache, use_cache=True)
-    verify_ids = torch.randint(0, int(target.config.vocab_size), (1, draft_tokens + 1))
+    verify_ids = torch.randint(0, int(target.config.vocab_size), (1, draft_tokens + 1), device=device)
 
     def verify() -> None:
         target(input_ids=verify_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
         cache.crop(-(draft_tokens + 1))
 
     dtype = drafter.fc.weight.dtype
-    h = torch.randn(1, 1, hidden, dtype=dtype)
-    k_cache = (torch.randn(1, drafter.config.num_key_value_heads, context, drafter.config.head_dim, dtype=dtype),
-               torch.randn(1, drafter.config.num_key_value_heads, context, drafter.config.head_dim, dtype=dtype))
-    token = torch.tensor([[1]])
-    pos = torch.tensor([[context]])
+    kv_shape = (1, drafter.config.num_key_value_heads, context, drafter.config.head_dim)
+    h = torch.randn(1, 1, hidden, dtype=dtype, device=device)
+    k_cache = (torch.randn(kv_shape, dtype=dtype, device=device), torch.randn(kv_shape, dtype=dtype, device=device))
+    token = torch.tensor([[1]], device=device)
+    pos = torch.tensor([[context]], device=device)
     layer = best_time(lambda: drafter(input_ids=token, hidden=h, positions=pos, past_key_values=k_cache),
-                      repeats=repeats)
+                      repeats=repeats, sync=sync)
     rows = full_head_rows or int(drafter.lm_head.weight_up.shape[0])
-    full = torch.randn(rows, hidden, dtype=dtype)
-    head = best_time(lambda: F.linear(drafter.norm(h), full).argmax(-1), repeats=repeats)
-    target_s = best_time(verify, repeats=repeats)
+    full = torch.randn(rows, hidden, dtype=dtype, device=device)
+    head = best_time(lambda: F.linear(drafter.norm(h), full).argmax(-1), repeats=repeats, sync=sync)
+    target_s = best_time(verify, repeats=repeats, sync=sync)
     rest = draft_tokens * layer + target_s
     result = {"kappa": draft_tokens * head / rest, "head_s": head, "head_rows": rows, "drafter_layer_s": layer,
-              "target_verify_s": target_s, "draft_tokens": draft_tokens, "context": context}
+              "target_verify_s": target_s, "draft_tokens": draft_tokens, "context": context, "device": str(device)}
     if drafter.lm_head.rank is not None:
-        result["lowrank_head_s"] = best_time(lambda: drafter.logits(h).argmax(-1), repeats=repeats)
+        result["lowrank_head_s"] = best_time(lambda: drafter.logits(h).argmax(-1), repeats=repeats, sync=sync)
     return result

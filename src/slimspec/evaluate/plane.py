@@ -57,7 +57,8 @@ def build_plane(
     each rank and the VocabTrim token counts (the target's own generations). ``base_tau``: the original
     drafter's tau at the same settings, when the caller has measured it already. Each rank is distilled
     ``distill_steps`` head-only steps with the demo's recipe (:func:`brief_distillation`: the source drafter's
-    head as teacher). ``device``: where the teacher data, the distillations and the tau measurements run."""
+    head as teacher). ``device``: where the teacher data, the distillations, the tau measurements and the head
+    latencies run."""
     from slimspec.checkpoint import load_drafter
     from slimspec.convert.pipeline import convert
     from slimspec.distill.pipeline import brief_distillation, load_target_parts
@@ -65,6 +66,7 @@ def build_plane(
     from slimspec.distill.scratch import scratch_teacher
     from slimspec.evaluate.acceptance import evaluate
     from slimspec.evaluate.trim import token_counts, trimmed_ids, write_trimmed
+    from slimspec.hardware import resolve_device
     from slimspec.hub import resolve_model
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -75,6 +77,7 @@ def build_plane(
     # the demo's recipe (drafter teacher, its lr and batch) at the plane's own prompts and steps
     options, recipe = brief_distillation(distill_steps)
     options = replace(options, num_prompts=calibration_prompts, device=device)  # teacher data and distillation
+    where = resolve_device(device)  # the head latencies' device
 
     def tau_of(folder: str) -> float:
         return evaluate(folder, target, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
@@ -90,7 +93,7 @@ def build_plane(
                           out=out_dir / f"slimspec-{vocab}-{rank.replace('/', '_')}", data_options=options,
                           distill_config=replace(recipe), progress=progress)
             r = res.rank
-            nu = head_latency(res.report["head_vocab"], d, r, source_vocab=vd)["nu"]
+            nu = head_latency(res.report["head_vocab"], d, r, source_vocab=vd, device=where)["nu"]
             tau = tau_of(str(res.out))
             label = f"SlimSpec r={rank}" + (" (draft vocab)" if vocab == "draft" and len(vocabs) > 1 else "")
             points.append(PlanePoint(label, "slimspec", nu, tau, tau / base_tau, res.report["head_params"],
@@ -109,7 +112,7 @@ def build_plane(
         for kind, counts in (("vocabtrim", generations), ("frspec", corpus)):
             for size in sizes:
                 folder = write_trimmed(ckpt, trimmed_ids(ckpt, counts, size), out_dir / f"{kind}-{size}")
-                nu = full_head_seconds(size, d) / full_head_seconds(vd, d)
+                nu = full_head_seconds(size, d, device=where) / full_head_seconds(vd, d, device=where)
                 tau = tau_of(str(folder))
                 label = "VocabTrim" if kind == "vocabtrim" else "FR-Spec"
                 points.append(PlanePoint(f"{label} {size}", kind, nu, tau, tau / base_tau, size * d, str(folder)))
