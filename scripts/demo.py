@@ -30,6 +30,7 @@ def main() -> int:
     from slimspec.distill.teacher import load_target_model
     from slimspec.evaluate.acceptance import evaluate, load_for_eval, record_tau
     from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
+    from slimspec.hardware import resolve_device
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--distill-steps", type=int, default=BRIEF_DISTILL_STEPS)
@@ -56,10 +57,11 @@ def main() -> int:
     record_tau(result.out, ev)
     d, rank = r["hidden_size"], r["rank"]
     source_rows = r["head_params_source"] // d
-    lat = head_latency(r["head_vocab"], d, rank, batch=1, source_vocab=source_rows)
+    where = resolve_device(ev["device"])  # nu and kappa where tau was measured (a GPU when there is one)
+    lat = head_latency(r["head_vocab"], d, rank, batch=1, source_vocab=source_rows, device=where)
     model, _, parts, _ = load_for_eval(str(result.out), target)
-    target_model, _ = load_target_model(parts.path)
-    kappa = measure_kappa(target_model, model, full_head_rows=source_rows)["kappa"]
+    target_model, _ = load_target_model(parts.path, device=where)
+    kappa = measure_kappa(target_model, model.to(where), full_head_rows=source_rows)["kappa"]
     rho_tps = predicted_speedup(ev["rho_tau"], lat["nu"], kappa)
     rows = [
         ("", "original", "SlimSpec r=d/8"),
