@@ -276,6 +276,7 @@ class Eagle3Drafter(nn.Module):
                                  f"{cfg.draft_vocab_size}")
         # float64, not a buffer: model.to(bfloat16) must not round the frequencies
         self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self._inv_freq_on: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # its copies per (device, dtype)
         self._embed_in_checkpoint = False
         self.register_buffer("embed_weight", None, persistent=False)
         if embed_weight is not None:
@@ -365,7 +366,10 @@ class Eagle3Drafter(nn.Module):
         float64 for a float64 model."""
         dtype = self.fc.weight.dtype
         exact = torch.promote_types(dtype, torch.float32)
-        inv_freq = self._inv_freq.to(device=positions.device, dtype=exact)
+        key = (positions.device, exact)
+        if key not in self._inv_freq_on:  # once per device: a host-to-GPU copy each step would stall the GPU queue
+            self._inv_freq_on[key] = self._inv_freq.to(device=positions.device, dtype=exact)
+        inv_freq = self._inv_freq_on[key]
         angles = positions.to(exact).unsqueeze(-1) * inv_freq
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -429,3 +429,22 @@ def test_from_scratch_drafter_takes_the_targets_rope(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**base, "rope_theta": 1e5}))  # transformers 4 style
     cfg = scratch_config(SimpleNamespace(path=tmp_path, head=torch.zeros(100, 64)), 10)
     assert cfg.rope_theta == 1e5 and cfg.rope_scaling is None
+
+
+def test_rope_frequencies_are_copied_once_per_device_and_dtype():
+    """Catches the float64 RoPE frequencies copied to the positions' device on every forward: on a GPU each copy
+    is a host-to-device transfer that waits for the queued kernels (a slower decoder, a drafter layer timed too
+    slow in kappa); and catches a copy that ignores a change of the model's dtype."""
+    model = _random_drafter(_config(), dtype=torch.float32)
+    pos = torch.arange(5)[None]
+    cos, sin = model.rope(pos)
+    model.rope(pos + 1)
+    assert list(model._inv_freq_on) == [(torch.device("cpu"), torch.float32)]
+    angles = pos[0, :, None].double() * model._inv_freq
+    assert torch.allclose(cos[0, :, : angles.shape[1]].double(), angles.cos(), atol=1e-6)
+    model.rope(pos.to("meta"))
+    model.to(torch.float64)
+    cos64, _ = model.rope(pos)
+    assert set(model._inv_freq_on) == {(torch.device("cpu"), torch.float32), (torch.device("meta"), torch.float32),
+                                       (torch.device("cpu"), torch.float64)}
+    assert cos64.dtype == torch.float64 and torch.allclose(cos64[0, :, : angles.shape[1]], angles.cos(), atol=1e-12)
