@@ -474,7 +474,8 @@ def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_
 @click.option("--dtype", "dtypes", type=click.Choice(["fp32", "bf16", "fp16"]), multiple=True,
               help="Dtypes [default: fp32].")
 @click.option("--kappa", "with_kappa", is_flag=True,
-              help="Also measure kappa (head time / rest of a draft+verify cycle) with CHECKPOINT on its target.")
+              help="Also measure kappa (head time / rest of a draft+verify cycle) with CHECKPOINT on its target, "
+                   "in the first --dtype.")
 @click.option("--target", "-t", help="Target for --kappa (default: the checkpoint's).")
 @click.option("--rho-tau", type=float, help="Acceptance ratio for the predicted end-to-end speed-up [default: the "
               "checkpoint's recorded rho_tau (--rank auto), else 1].")
@@ -524,9 +525,10 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
         from slimspec.distill.teacher import load_target_model
         from slimspec.evaluate.acceptance import load_for_eval
 
+        dtype = names[(dtypes or ("fp32",))[0]]  # the first --dtype: what the cycle is served in
         drafter, _, parts, _ = load_for_eval(checkpoint, target)
-        target_model, _ = load_target_model(parts.path, device=where)
-        result["kappa"] = measure = measure_kappa(target_model, drafter.to(where),
+        target_model, _ = load_target_model(parts.path, dtype=dtype, device=where)
+        result["kappa"] = measure = measure_kappa(target_model, drafter.to(device=where, dtype=dtype),
                                                   full_head_rows=source_vocab or vocab)
         nu1 = next(r["nu"] for r in rows if r["batch"] == min(r2["batch"] for r2 in rows))
         result["rho_tau"] = rho_tau if rho_tau is not None else 1.0

@@ -136,6 +136,12 @@ def test_bench_kappa_times_the_source_head(tiny_converted, tiny_target):
     assert report["kappa"]["lowrank_head_s"] > 0
     nu, kappa = report["head"][0]["nu"], report["kappa"]["kappa"]
     assert report["predicted_rho_tps"] == pytest.approx((1 + kappa) / (1 + nu * kappa))
+    assert report["kappa"]["dtype"] == "float32" and report["kappa"]["device"] == "cpu"
+    # the cycle is timed in the dtype it is served in (the first --dtype), not always in float32
+    result = CliRunner().invoke(main, ["bench", str(tiny_converted), "--kappa", "--target", str(tiny_target),
+                                       "--batch", "1", "--dtype", "bf16", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["kappa"]["dtype"] == "bfloat16"
 
 
 def test_cli_refuses_a_cuda_device_without_a_gpu(tmp_path):

@@ -126,7 +126,8 @@ def measure_kappa(target, drafter, *, full_head_rows: int | None = None, draft_t
     target_s = best_time(verify, repeats=repeats, sync=sync)
     rest = draft_tokens * layer + target_s
     result = {"kappa": draft_tokens * head / rest, "head_s": head, "head_rows": rows, "drafter_layer_s": layer,
-              "target_verify_s": target_s, "draft_tokens": draft_tokens, "context": context, "device": str(device)}
+              "target_verify_s": target_s, "draft_tokens": draft_tokens, "context": context, "device": str(device),
+              "dtype": str(dtype).removeprefix("torch.")}
     if drafter.lm_head.rank is not None:
         result["lowrank_head_s"] = best_time(lambda: drafter.logits(h).argmax(-1), repeats=repeats, sync=sync)
     return result
