@@ -47,6 +47,7 @@ gpu-bench: setup vllm-setup
 	$(BIN)/python scripts/gpu_bench.py
 	$(BIN)/python scripts/gpu_teacher_check.py
 	$(BIN)/python scripts/gpu_distill_check.py
+	$(BIN)/slimspec bench head --vocab 128256 --hidden 4096 --rank 512 --dtype bf16 --device cuda
 
 lint: setup
 	$(BIN)/python -m ruff check src tests scripts
