@@ -13,6 +13,20 @@ import pytest
 from tests.layouts import Spec, write_drafter, write_target
 
 
+@pytest.fixture
+def pretend_gpus(monkeypatch):
+    """``pretend_gpus(n)``: torch.cuda says n GPUs are there (these machines have none) and $SLIMSPEC_DEVICE is
+    cleared (it pins the CPU above), so `auto` choices see the pretended GPUs. Nothing can run on them."""
+    import torch
+
+    def pretend(count: int = 1) -> None:
+        monkeypatch.delenv("SLIMSPEC_DEVICE", raising=False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+    return pretend
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _teacher_cache_in_tmp(tmp_path_factory):
     """Keep the tests' teacher data out of the user's cache (the embedded target itself is shared)."""

@@ -15,11 +15,9 @@ PROMPTS = [Prompt(id=str(i), text=f"Say {word} twice.") for i, word in enumerate
 
 
 @pytest.fixture
-def pretend_gpu(monkeypatch):
+def pretend_gpu(monkeypatch, pretend_gpus):
     """One visible 'GPU'; returns the list of (dtype, device) loads and the decoders' calls."""
-    monkeypatch.delenv("SLIMSPEC_DEVICE", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    pretend_gpus(1)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     record = {"loads": [], "generate": 0, "static": 0}
     load = teacher.load_target_model

@@ -533,7 +533,7 @@ def test_a_teacher_build_waits_for_another_of_the_same_key(tiny_target, tmp_path
     assert done and (where.folder / "manifest.json").exists()
 
 
-def test_distill_trains_on_the_chosen_device(tiny_converted, tiny_target, tmp_path, monkeypatch):
+def test_distill_trains_on_the_chosen_device(tiny_converted, tiny_target, tmp_path, monkeypatch, pretend_gpus):
     """Catches `distill --device` (or auto with a GPU) reaching the teacher data only: the head's steps then ran on
     CPU cores beside an idle GPU. The cache is built on the CPU first (same key: float32 answers), then a pretended
     GPU run must hand its device to the loop; $SLIMSPEC_DEVICE=cpu keeps it on the CPU."""
@@ -549,12 +549,9 @@ def test_distill_trains_on_the_chosen_device(tiny_converted, tiny_target, tmp_pa
         raise SlimSpecError("stop here")
 
     monkeypatch.setattr(pipeline, "distill_drafter", recording)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for setting, want in ((None, "cuda"), ("cpu", "cpu")):
-        if setting is None:
-            monkeypatch.delenv("SLIMSPEC_DEVICE", raising=False)
-        else:
+        pretend_gpus(1)
+        if setting is not None:
             monkeypatch.setenv("SLIMSPEC_DEVICE", setting)
         with pytest.raises(SlimSpecError, match="stop here"):
             distill(tiny_converted, str(tiny_target), out=tmp_path / "gpu", config=DistillConfig(steps=1),

@@ -10,17 +10,11 @@ from slimspec.errors import SlimSpecError
 from slimspec.hardware import default_generation_dtype, resolve_device
 
 
-def _gpus(monkeypatch, count: int) -> None:
-    monkeypatch.delenv("SLIMSPEC_DEVICE", raising=False)  # tests/conftest.py pins the CPU for every other test
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-
-
-def test_auto_picks_a_gpu_only_when_there_is_one(monkeypatch):
+def test_auto_picks_a_gpu_only_when_there_is_one(monkeypatch, pretend_gpus):
     """Catches a default that ignores the GPU (hours of an 8B target on CPU cores) or needs one."""
-    _gpus(monkeypatch, 0)
+    pretend_gpus(0)
     assert resolve_device(None) == torch.device("cpu") == resolve_device("auto")
-    _gpus(monkeypatch, 2)
+    pretend_gpus(2)
     assert resolve_device(None) == torch.device("cuda")
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
     assert resolve_device(" CPU ") == torch.device("cpu")
@@ -29,12 +23,12 @@ def test_auto_picks_a_gpu_only_when_there_is_one(monkeypatch):
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
 
 
-def test_unusable_devices_are_clear_errors(monkeypatch):
+def test_unusable_devices_are_clear_errors(pretend_gpus):
     """Catches a CUDA request on a machine without one (or a GPU index past the last) failing deep in a build."""
-    _gpus(monkeypatch, 0)
+    pretend_gpus(0)
     with pytest.raises(SlimSpecError, match="no CUDA GPU"):
         resolve_device("cuda")
-    _gpus(monkeypatch, 1)
+    pretend_gpus(1)
     with pytest.raises(SlimSpecError, match="only 1 CUDA GPU"):
         resolve_device("cuda:1")
     for bad in ("tpu", "gpu0", "mps", "meta"):
@@ -42,17 +36,17 @@ def test_unusable_devices_are_clear_errors(monkeypatch):
             resolve_device(bad)
 
 
-def test_answers_default_to_bf16_on_a_gpu(monkeypatch):
+def test_answers_default_to_bf16_on_a_gpu(monkeypatch, pretend_gpus):
     """Catches float32 answers on a GPU by default (bf16 is native there) and a GPU choice leaking into CPU runs."""
     monkeypatch.delenv("SLIMSPEC_GENERATION_DTYPE", raising=False)
-    _gpus(monkeypatch, 1)
+    pretend_gpus(1)
     assert default_generation_dtype(set(), device="auto") == "bfloat16"
     assert default_generation_dtype(set(), device="cpu") == "float32"
     assert default_generation_dtype(set()) == "float32"  # no device named: the CPU's choice, as before
-    _gpus(monkeypatch, 0)
+    pretend_gpus(0)
     assert default_generation_dtype(set(), device="auto") == "float32"
     monkeypatch.setenv("SLIMSPEC_GENERATION_DTYPE", "float16")
-    _gpus(monkeypatch, 1)
+    pretend_gpus(1)
     assert default_generation_dtype(set(), device="auto") == "float16"
 
 
