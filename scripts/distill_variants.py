@@ -18,7 +18,9 @@ adds ``a`` x cross-entropy on the target's actual next token (answer rows whose 
 ``"focus": eps`` weighs training rows 1 where the source head's argmax is the target's next token and ``eps``
 elsewhere (``"soft"``: the source's probability of that token), and ``"noise": {"kind": "iso"|"data", "scale": s}``
 perturbs the student states while training (see ``with_feature_noise``). ``"train_factor": "up"|"down"`` trains
-one factor only (session 39).
+one factor only (session 39). ``"toward_start": [a, ...]`` also converts the variant without steps (its
+whitened start) and measures, for each ``a``, the factors ``start + a (distilled - start)`` (session 42: weight
+interpolation, the WiSE-FT remedy for a fine-tune that transfers worse than it fits).
 
     python scripts/distill_variants.py --original '[{"name": "brief"},
         {"name": "v3-1500", "subset": ["1e7de22dbc1c2b3f6d12", 1500], "steps": 600}]'
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         focus = v.pop("focus", None)
         noise = v.pop("noise", None)
         factor = v.pop("train_factor", None)
+        toward_start = [float(a) for a in v.pop("toward_start", [])]
         if factor not in (None, "up", "down"):
             raise SystemExit(f"{name}: train_factor must be 'up' or 'down', got {factor!r}")
         train.trainable_parameters = only_factor(trainable, factor) if factor else trainable
@@ -116,7 +119,43 @@ def main(argv: list[str] | None = None) -> int:
         if original:
             row["rho"] = row["tau"] / original["tau"]
         record(row)
+        if toward_start:
+            start = args.work / f"{name}-start"
+            convert(source, TARGET, rank, vocab="draft", out=start, overwrite=True, progress=False, init="whitened",
+                    distill_steps=0, data_options=options, distill_config=cfg)
+            for alpha in toward_start:
+                mixed = interpolate_heads(out, start, alpha, args.work / f"{name}-toward{alpha:g}")
+                row = {**measure(str(mixed.resolve())), "name": f"{name}-toward{alpha:g}", "alpha": alpha}
+                if original:
+                    row["rho"] = row["tau"] / original["tau"]
+                record(row)
     return 0
+
+
+HEAD_FACTORS = ("lm_head.weight", "lm_head_down.weight")
+
+
+def interpolate_heads(final: Path, start: Path, alpha: float, out: Path) -> Path:
+    """Copy conversion ``final`` to ``out`` with its head factors at ``start + alpha (final - start)`` (float32
+    arithmetic, stored in the file's dtype). Refuses two conversions that differ outside the head: then they are
+    not one run's start and end."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ends = load_file(str(final / "model.safetensors"))
+    starts = load_file(str(start / "model.safetensors"))
+    if ends.keys() != starts.keys() or not all(torch.equal(ends[k], starts[k]) for k in ends if k not in HEAD_FACTORS):
+        raise SystemExit(f"{final} and {start} differ outside the head factors")
+    mixed = dict(ends)
+    for k in HEAD_FACTORS:
+        a, b = starts[k].float(), ends[k].float()
+        mixed[k] = (a + alpha * (b - a)).to(ends[k].dtype)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(final, out)
+    save_file(mixed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def only_factor(trainable_parameters, factor: str):

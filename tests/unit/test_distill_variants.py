@@ -4,6 +4,7 @@ import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from slimspec.distill.teacher import TeacherData
@@ -122,3 +123,31 @@ def test_feature_noise_perturbs_only_training_states_by_the_stated_amount():
     # a difference of two independent rows has twice the per-dimension variance of the data
     expected = 0.25 * (2 * hidden.var(0)).sqrt()
     torch.testing.assert_close(delta.std(0), expected, rtol=0.08, atol=1e-3)
+
+
+def test_interpolated_heads_lie_between_start_and_end_and_keep_the_rest(tmp_path):
+    """Catches the interpolation running the wrong way (alpha = 0 must give the start, 1 the distilled head), a
+    factor left out, the drafter's other tensors or config changing, and two unrelated conversions being mixed."""
+    from safetensors.torch import load_file, save_file
+
+    variants = _script()
+    g = torch.Generator().manual_seed(3)
+    body = torch.randn(4, 6, generator=g)
+    heads = {}
+    for name in ("start", "final"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text('{"architectures": ["Eagle3SlimSpecLlamaForCausalLM"]}')
+        heads[name] = {"lm_head.weight": torch.randn(9, 2, generator=g), "lm_head_down.weight": torch.randn(2, 6,
+                                                                                                        generator=g)}
+        save_file({**heads[name], "fc.weight": body}, str(folder / "model.safetensors"))
+    for alpha in (0.0, 0.25, 1.0):
+        out = variants.interpolate_heads(tmp_path / "final", tmp_path / "start", alpha, tmp_path / f"a{alpha}")
+        got = load_file(str(out / "model.safetensors"))
+        for k, start in heads["start"].items():
+            torch.testing.assert_close(got[k], start + alpha * (heads["final"][k] - start))
+        assert torch.equal(got["fc.weight"], body)
+        assert (out / "config.json").read_text() == (tmp_path / "final" / "config.json").read_text()
+    save_file({**heads["start"], "fc.weight": body + 1}, str(tmp_path / "start" / "model.safetensors"))
+    with pytest.raises(SystemExit, match="differ outside the head"):
+        variants.interpolate_heads(tmp_path / "final", tmp_path / "start", 0.5, tmp_path / "bad")
