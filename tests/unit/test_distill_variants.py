@@ -1,28 +1,18 @@
 """The experiment losses of scripts/distill_variants.py (BENCHMARKS.md rows are rebuilt with them)."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from slimspec.distill.teacher import TeacherData
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("distill_variants", ROOT / "scripts" / "distill_variants.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import SCRIPTS, load_script
 
 
 def test_reverse_kl_matches_float64_and_keeps_forward_kl_for_evaluation():
     """Catches a swapped KL direction (the reverse row would then be the forward one), a wrong token weighting, and
     the held-out KL (no gradients) switching to the reverse KL, which would make its rows incomparable."""
-    variants = _script()
+    variants = load_script("distill_variants")
     g = torch.Generator().manual_seed(0)
     h, down, up = torch.randn(7, 5, generator=g), torch.randn(3, 5, generator=g), torch.randn(11, 3, generator=g)
     th, head, w = torch.randn(7, 4, generator=g), torch.randn(11, 4, generator=g), torch.rand(7, generator=g)
@@ -45,7 +35,7 @@ def test_target_ce_labels_the_next_token_within_the_sequence_and_draft_vocab():
     """Catches an off-by-one in the label (TTT row ``here`` predicts token ``here + 1``), a label taken across a
     sequence boundary or past the end, prompt tokens used as labels, and target tokens outside the draft
     vocabulary mapped onto some draft row."""
-    variants = _script()
+    variants = load_script("distill_variants")
     g = torch.Generator().manual_seed(1)
     d2t = torch.tensor([2, 4, 6, 8, 10, 12])  # draft row -> target id
     up, down = torch.randn(6, 3, generator=g), torch.randn(3, 5, generator=g)
@@ -73,8 +63,8 @@ def test_variant_options_reach_the_calibration_data_and_other_keys_the_distillat
     when one field is overridden: the sampled-answer and chat-calibration rows would then measure the demo's data."""
     import sys
 
-    variants = _script()
-    sys.path.insert(0, str(ROOT / "scripts"))
+    variants = load_script("distill_variants")
+    sys.path.insert(0, str(SCRIPTS))
     import rank_sweep
 
     import slimspec.convert.pipeline as convert_pipeline
@@ -105,7 +95,7 @@ def test_feature_noise_perturbs_only_training_states_by_the_stated_amount():
     """Catches the augmentation leaking into the held-out KL (no gradients: states must arrive untouched), a scale
     applied to the wrong quantity (iso: per-row RMS; data: the difference of two random rows of the batch), and
     a perturbation that is not there at all (the augmentation rows would then measure the plain recipe)."""
-    variants = _script()
+    variants = load_script("distill_variants")
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(4000, 2, 6, generator=g) * torch.tensor([1.0, 3.0, 0.1, 2.0, 5.0, 0.5])
     seen = []
@@ -130,7 +120,7 @@ def test_interpolated_heads_lie_between_start_and_end_and_keep_the_rest(tmp_path
     factor left out, the drafter's other tensors or config changing, and two unrelated conversions being mixed."""
     from safetensors.torch import load_file, save_file
 
-    variants = _script()
+    variants = load_script("distill_variants")
     g = torch.Generator().manual_seed(3)
     body = torch.randn(4, 6, generator=g)
     heads = {}

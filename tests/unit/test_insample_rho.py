@@ -1,21 +1,10 @@
 """scripts/insample_rho.py measures rho_tau on the prompts the demo's distillation fitted and on those it held out."""
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
 from slimspec.distill.teacher import TeacherData
 from slimspec.distill.train import DistillConfig, split_sequences
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("insample_rho", ROOT / "scripts" / "insample_rho.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_script
 
 
 def test_fitted_and_held_out_prompts_are_the_distillations_own_split():
@@ -28,7 +17,7 @@ def test_fitted_and_held_out_prompts_are_the_distillations_own_split():
     teacher = TeacherData(input_ids=ids, loss_mask=mask, aux=torch.zeros(2 * n, 1), final=torch.zeros(2 * n, 1),
                           starts=torch.arange(0, 2 * n + 1, 2))
     fitted, held = split_sequences(teacher, DistillConfig().eval_every_nth)
-    sets = _script().prompt_sets([{"i": i} for i in range(n)], count=30)
+    sets = load_script("insample_rho").prompt_sets([{"i": i} for i in range(n)], count=30)
     assert {r["i"] for r in sets["held_out"]} <= set(held)
     assert {r["i"] for r in sets["fitted"]} <= set(fitted)
     assert len(sets["held_out"]) == len(sets["fitted"]) == 30

@@ -1,29 +1,22 @@
 """The reference drafter's prompt mixes (scripts/build_reference_drafter.py): nested, duplicate-free, never eval/."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
 needs_shared = pytest.mark.skipif(not (SHARED / "train").is_dir(), reason="needs ../shared/data (the project's data)")
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("build_reference_drafter", ROOT / "scripts" /
-                                                  "build_reference_drafter.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @needs_shared
 def test_mixes_nest_and_stay_off_eval(tmp_path):
     """Catches a mix that reshuffles its parent (data-scaling steps must add prompts, not swap them: v1 < v2 < v3),
     a prompt drawn twice, counts in the model card that disagree with the file, and an eval/ prompt in training."""
-    build = _script()
+    build = load_script("build_reference_drafter")
     texts = {}
     for mix in (m for m in build.MIXES if m not in build.MIX_PARTS):
         rows = [json.loads(line) for line in build.compose_prompts(tmp_path / f"{mix}.jsonl", mix).read_text()
@@ -52,7 +45,7 @@ def _eval_texts() -> set[str]:
 def test_v4_parts_cover_train_once_each_and_stay_off_eval():
     """Catches a ``rest`` part that repeats v3's prompts (the greedy answers would be counted twice), sampled halves
     that overlap or miss train/ prompts (every prompt gets exactly one sampled answer), and eval/ prompts."""
-    build = _script()
+    build = load_script("build_reference_drafter")
     v3 = {r["id"] for r in build._mix_rows("v3")[0]}
     rest = [r["id"] for r in build.part_rows("rest")]
     a = [r["id"] for r in build.part_rows("sampled-a")]
@@ -91,7 +84,7 @@ def test_commands_and_card_follow_every_warm_start():
     """Catches a model card of a continued build (v4 continued again) that names only the first warm start: its
     commands must rebuild every run in order, each from the folder the one before wrote, with its own seed and
     precision (``--bf16`` only where the run had it; records from before the field existed have none)."""
-    build = _script()
+    build = load_script("build_reference_drafter")
     v3 = _record(build, 2500, 0.003, 600)
     v4 = _record(build, 3600, 0.002, 1200, warm=("smollm2-135m-eagle3-v3", v3))
     more = _record(build, 3600, 0.001, 2400, seed=1, warm=("smollm2-135m-eagle3-v4", v4), bf16=True)
@@ -116,7 +109,7 @@ def test_commands_and_card_follow_every_warm_start():
 def test_card_reports_every_first_turn():
     """Catches a model card that drops the all-80-first-turns measurement (the issue's measure; the first 16 prompts
     alone read 0.046 low for v3-bf16), or shows a vLLM number an eval without vLLM never made."""
-    build = _script()
+    build = load_script("build_reference_drafter")
     settings = {"dataset": "mt_bench", "num_prompts": 16, "max_new_tokens": 128, "draft_tokens": 4,
                 "temperature": 0.0}
     ref80 = {"tau": 1.678, "acceptance_per_position": [0.41, 0.17, 0.07, 0.03]}
@@ -135,7 +128,7 @@ def test_gate_measures_all_first_turns_and_passes_at_the_floor(tmp_path, monkeyp
     compared the wrong way round (tau exactly 1.8 passes, 1.799 does not), and a gate.json without its settings."""
     from slimspec.evaluate import vllm_engine
 
-    build = _script()
+    build = load_script("build_reference_drafter")
     seen = {}
 
     def fake_vllm(drafter, target, *, prompts, **settings):
@@ -164,7 +157,7 @@ def test_parts_choose_caches_and_the_card_names_them(monkeypatch):
     from slimspec.distill.pipeline import DataOptions
     from slimspec.errors import SlimSpecError
 
-    build = _script()
+    build = load_script("build_reference_drafter")
     assert build._parts(SimpleNamespace(mix="v4", parts="rest, v3")) == ["rest", "v3"]
     assert build._parts(SimpleNamespace(mix="v4", parts=None)) is None
     for bad in (SimpleNamespace(mix="v4", parts="rest,sampled-c"), SimpleNamespace(mix="v3", parts="rest"),
@@ -202,7 +195,7 @@ def test_commands_rebuild_a_chain_begun_from_the_packaged_drafter():
     """Catches a card whose first commands name the parted mix's base (v3) for a chain that began from the shipped
     v2 build, and that rebuild that first drafter over the package: the from-scratch run's recorded mix and an
     out/ folder must be named instead, and the next run must continue that folder."""
-    build = _script()
+    build = load_script("build_reference_drafter")
     v2 = {**_record(build, 1400, 0.003, 600), "mix": "v2"}
     w1 = _record(build, 1500, 0.002, 600, seed=1, parts=["sampled-a"], bf16=True)
     w1["warm_start"] = {"from": "src/slimspec/data/smollm2-135m-eagle3", "from_training": v2}
