@@ -11,30 +11,34 @@ from __future__ import annotations
 import numpy as np
 import scipy.linalg
 import torch
-from scipy.linalg import blas
 
 DEFAULT_CHUNK_ROWS = 16384
+DEFAULT_COLUMN_BLOCKS = 8
 
 
 def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.float64 if weight.dtype == torch.float64 else torch.float32
 
 
-def gram_matrix(weight: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+def gram_matrix(weight: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                column_blocks: int = DEFAULT_COLUMN_BLOCKS) -> torch.Tensor:
     """``W^T W`` in float64, accumulated over row chunks of float32 (or float64) products.
 
-    Each chunk's product is a BLAS ``syrk`` (upper triangle only: half the FLOPs of a GEMM).
+    Only the upper block triangle is multiplied: for each of ``column_blocks`` column blocks ``i``, one GEMM
+    ``W[:, i]^T W[:, i:]``, (B + 1) / 2B of a full product's FLOPs (0.56 at B = 8). Plain GEMMs run near the BLAS
+    peak where ``syrk`` (half the FLOPs) does not: on a 2-core Xeon the Gram of a 128256 x 4096 head took 7.7 s
+    this way against 9.4 s with scipy's ``ssyrk``.
     """
     dtype = _compute_dtype(weight)
-    syrk = blas.dsyrk if dtype == torch.float64 else blas.ssyrk
     d = weight.shape[1]
-    upper = np.zeros((d, d), dtype=np.float64)
+    width = -(-d // max(1, column_blocks))
+    upper = torch.zeros(d, d, dtype=torch.float64)
     for start in range(0, weight.shape[0], chunk_rows):
-        chunk = weight[start:start + chunk_rows].to(dtype).contiguous().numpy()
-        # A C-contiguous chunk [n, d] is a Fortran [d, n] matrix: syrk(trans=0) gives chunk^T chunk.
-        upper += syrk(1.0, chunk.T, trans=0, lower=0)
-    upper = np.triu(upper)
-    return torch.from_numpy(upper + np.triu(upper, 1).T)
+        chunk = weight[start:start + chunk_rows].to(dtype)
+        for col in range(0, d, width):
+            upper[col:col + width, col:] += (chunk[:, col:col + width].T @ chunk[:, col:]).double()
+    upper = torch.triu(upper)
+    return upper + torch.triu(upper, 1).T
 
 
 def squared_singular_values(gram: torch.Tensor) -> torch.Tensor:
