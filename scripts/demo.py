@@ -78,6 +78,9 @@ def main() -> int:
         kl = r["distill"]
         kl_text = f"{r['init']} start {kl['kl_before']:.3f} -> distilled {kl['kl_after']:.3f} ({kl['steps']} steps)"
         rows.append((f"held-out KL to the {config.teacher}", "", kl_text))
+        if kl.get("top1_before") is not None and kl.get("top1_after") is not None:
+            rows.append((f"held-out top-1 agreement with the {config.teacher}", "",
+                         f"{r['init']} start {kl['top1_before']:.3f} -> distilled {kl['top1_after']:.3f}"))
     print(f"\nSlimSpec demo — target {target}, drafter: {note}")
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:

@@ -236,15 +236,21 @@ def _print_convert_report(report: dict) -> None:
         ("head FLOP ratio", f"{report['head_flop_ratio']:.4f}"),
         ("energy kept", f"{report['energy_kept']:.4f}"),
         ("relative Frobenius error", f"{report['relative_frobenius_error']:.4f}"),
-        ("argmax agreement (random h)", f"{report['verification']['argmax_agreement_vs_full']:.3f}"),
         ("time", f"{report['timings']['total']:.1f}s"),
     ]
+    if "distill" not in report:  # random states say nothing of a head distilled on the drafter's real ones
+        rows.insert(-1, ("argmax agreement (random h)", f"{report['verification']['argmax_agreement_vs_full']:.3f}"))
     for name, kl in report.get("init_kl", {}).items():
-        rows.insert(-1, (f"step-0 KL, {name} init", _kl_text(kl["step0_kl"])))
+        top1 = kl.get("step0_top1")
+        rows.insert(-1, (f"step-0 KL, {name} init", _kl_text(kl["step0_kl"]) + (
+            f" (top-1 agreement {top1:.3f})" if top1 is not None else "")))
     if "distill" in report:
         d = report["distill"]
         rows.insert(-1, ("distillation", f"{d['steps']} steps: step-0 KL {_kl_text(d['kl_before'])} -> "
                                          f"{_kl_text(d['kl_after'])} ({d['tokens_per_second']:.0f} tokens/s)"))
+        if d.get("top1_before") is not None and d.get("top1_after") is not None:
+            rows.insert(-1, ("top-1 agreement", f"{d['top1_before']:.3f} -> {d['top1_after']:.3f} (held-out "
+                                                "tokens, step 0: the teacher's argmax drafted)"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {value}")
@@ -312,6 +318,9 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
         click.echo("step-0 KL        n/a (no held-out sequence with answer tokens: give more prompts)")
     else:
         click.echo(f"step-0 KL        {result.kl_before:.4f} -> {result.kl_after:.4f} (held-out tokens)")
+    if summary["top1_before"] is not None and summary["top1_after"] is not None:
+        click.echo(f"top-1 agreement  {summary['top1_before']:.3f} -> {summary['top1_after']:.3f} (held-out tokens, "
+                   "step 0: the student drafts the teacher's argmax)")
     click.echo("per TTT step     " + ", ".join(f"{a:.3f}->{b:.3f}" for a, b in
                                                zip(result.kl_before_per_step, result.kl_after_per_step, strict=True)))
 

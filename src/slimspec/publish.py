@@ -78,6 +78,9 @@ def card_with_metadata(folder: Path, report: dict[str, Any]) -> tuple[str, dict[
     if "distill" in report:
         numbers["kl_before_distill"] = report["distill"].get("kl_before")
         numbers["kl_after_distill"] = report["distill"].get("kl_after")
+        for key in ("top1_before", "top1_after"):
+            if report["distill"].get(key) is not None:
+                numbers[f"{key}_distill"] = report["distill"][key]
     if numbers and "## Measured" not in body:
         body += "\n## Measured (slimspec.json)\n\n" + "\n".join(f"- {k}: {v}" for k, v in numbers.items()) + "\n"
     return "\n".join(lines) + body.lstrip("\n"), metadata

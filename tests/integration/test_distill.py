@@ -1,6 +1,7 @@
 """Distillation on a tiny target: teacher data, alignment, the loop, resume, NaN, whitened init, CLI."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -108,8 +109,9 @@ def test_distill_balances_a_lopsided_low_rank_head_first(tiny_converted, tiny_ta
     torch.testing.assert_close(head(h), before, rtol=1e-4, atol=1e-5)
 
 
-def test_convert_with_whitened_init_and_distill(tiny_converted, tiny_target, tmp_path):
-    """Catches a loop that does not reduce the held-out KL, and a missing side-by-side init report."""
+def test_convert_with_whitened_init_and_distill(tiny_converted, tiny_target, tmp_path, capsys):
+    """Catches a loop that does not reduce the held-out KL, a missing side-by-side init report (KL and top-1
+    agreement), and a report table that shows the random-state agreement of a distilled head (meaningless)."""
     res = slimspec.convert(str(tmp_path / "drafter"), str(tiny_target), 8, out=tmp_path / "o", init="whitened",
                            distill_steps=15, data_options=FEW, progress=False,
                            distill_config=DistillConfig(lr=1e-2, warmup_steps=2, batch_tokens=256))
@@ -117,8 +119,21 @@ def test_convert_with_whitened_init_and_distill(tiny_converted, tiny_target, tmp
     assert set(rep["init_kl"]) == {"svd", "whitened"} and rep["init"] == "whitened"
     assert rep["distill"]["kl_after"] < rep["distill"]["kl_before"]
     assert abs(rep["distill"]["kl_before"] - rep["init_kl"]["whitened"]["step0_kl"]) < 1e-4
+    assert rep["distill"]["top1_before"] == rep["init_kl"]["whitened"]["step0_top1"]
+    assert all(0.0 <= rep["distill"][k] <= 1.0 for k in ("top1_before", "top1_after"))
     saved = json.loads((tmp_path / "o" / "slimspec.json").read_text())
-    assert saved["distill"]["steps"] == 15
+    assert saved["distill"]["steps"] == 15 and saved["distill"]["top1_after"] == rep["distill"]["top1_after"]
+    from slimspec.cli import _print_convert_report
+
+    _print_convert_report({"out": str(res.out), **rep})  # as `slimspec convert` prints it
+    table = capsys.readouterr().out
+    d = rep["distill"]
+    assert re.search(rf"top-1 agreement +{d['top1_before']:.3f} -> {d['top1_after']:.3f} \(held-out", table)
+    assert f"(top-1 agreement {rep['init_kl']['svd']['step0_top1']:.3f})" in table
+    assert "random h" not in table
+    card = (tmp_path / "o" / "README.md").read_text()
+    assert f"| held-out KL to the target | {d['kl_before']:.4f} -> {d['kl_after']:.4f} |" in card
+    assert f"| held-out top-1 agreement with the target | {d['top1_before']:.4f} -> {d['top1_after']:.4f} |" in card
 
 
 def test_resume_is_bit_for_bit(tiny_converted, tiny_target, tmp_path):
@@ -439,6 +454,9 @@ def test_drafter_teacher_with_backbone_scores_the_frozen_source(tiny_target, tmp
     kl = ((teacher_logp.exp() * (teacher_logp - student_logp)).sum(1) * w).sum() / w.sum()
     assert abs(float(kl) - result.kl_after) < 1e-3 * max(1.0, float(kl)), (float(kl), result.kl_after)
     assert result.kl_after < result.kl_before
+    # the held-out top-1 agreement is scored the same way: the frozen source's argmax against the student's
+    same = (student_logp.argmax(1) == teacher_logp.argmax(1)).double()
+    assert result.top1_after_per_step[0] == pytest.approx(float((same * w).sum() / w.sum()), abs=1e-6)
 
 
 def test_same_shaped_target_rebuilds_the_teacher_cache(tiny_target, tmp_path):

@@ -89,6 +89,19 @@ def _distilled(report: dict[str, Any]) -> str:
     return f", then distilled {distill.get('steps')} steps against the {teacher}'s distribution (full-vocabulary KL)"
 
 
+def _distill_rows(report: dict[str, Any]) -> list[str]:
+    """The card's rows of held-out numbers before -> after distillation (first draft position), where measured."""
+    distill = report.get("distill") or {}
+    teacher = (distill.get("config") or {}).get("teacher", "target")
+    rows = []
+    names = {"kl": f"held-out KL to the {teacher}", "top1": f"held-out top-1 agreement with the {teacher}"}
+    for key, name in names.items():
+        before, after = distill.get(f"{key}_before"), distill.get(f"{key}_after")
+        if before is not None and after is not None:
+            rows.append(f"| {name} | {before:.4f} -> {after:.4f} |")
+    return rows
+
+
 def model_card(*, drafter_id: str, target_id: str, rank: int, hidden: int, report: dict[str, Any],
                out_name: str) -> str:
     """README.md with Hub metadata, what was done, the numbers, and how to serve it."""
@@ -119,6 +132,7 @@ def model_card(*, drafter_id: str, target_id: str, rank: int, hidden: int, repor
         f"| energy kept | {energy:.4f} |" if energy is not None else "| energy kept | - |",
         f"| relative Frobenius error | {err:.4f} |" if err is not None else "| relative Frobenius error | - |",
         f"| head FLOP ratio | {flops:.4f} |" if flops is not None else "| head FLOP ratio | - |",
+        *_distill_rows(report),
         "",
         "## Serve with vLLM",
         "",

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "full_vocab_kl", "naive_full_vocab_kl"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "full_vocab_kl", "naive_full_vocab_kl", "top1_agreement"]
 
 DEFAULT_CHUNK_SIZE = 4096
 """Vocabulary rows per chunk when ``chunk_size`` is None (tuned on a 2-core AVX-512 CPU, scripts/bench_kl.py)."""
@@ -344,3 +344,34 @@ def naive_full_vocab_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, te
     w = weights.detach().to(cdtype)
     total = w.sum()
     return (w * kl).sum() / total if bool(total != 0) else (w * kl).sum() * 0
+
+
+@torch.no_grad()
+def top1_agreement(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher_hidden: Tensor,
+                   teacher_head: Tensor, *, weights: Tensor | None = None, token_chunk: int | None = None) -> float:
+    """Weighted share of tokens where the student's argmax is the teacher's: sum(w [argmax q == argmax p]) / sum(w).
+
+    Same shapes and dtype rules as :func:`full_vocab_kl`. At temperature 0 a verifier accepts exactly the argmax,
+    so against the target this is the first draft position's acceptance under teacher forcing, and against the
+    source drafter the share of positions where the converted head drafts the source's token. Token chunks keep
+    one ``[token_chunk, V]`` logit block per distribution (``BUFFER_BYTES`` when ``token_chunk`` is None).
+    NaN when no token has weight.
+    """
+    _check(student_hidden, w_down, w_up, teacher_hidden, teacher_head, weights)
+    cdtype = _compute_dtype(student_hidden, w_down, w_up, teacher_hidden, teacher_head)
+    tokens, vocab = student_hidden.shape[0], w_up.shape[0]
+    w = (torch.ones(tokens, device=student_hidden.device) if weights is None else weights).to(cdtype)
+    total = float(w.sum())
+    if tokens == 0 or total <= 0:
+        return float("nan")
+    keep = (w != 0).nonzero().squeeze(1)  # zero-weight tokens (prompt positions) cost no matmul
+    student_hidden, teacher_hidden, w, tokens = student_hidden[keep], teacher_hidden[keep], w[keep], keep.numel()
+    chunk = min(token_chunk or _pick_token_chunk(tokens, vocab, cdtype), tokens)
+    down, up, head = w_down.to(cdtype), w_up.to(cdtype), teacher_head.to(cdtype)
+    agree = 0.0
+    for a in range(0, tokens, chunk):
+        student = (student_hidden[a:a + chunk].to(cdtype) @ down.T) @ up.T
+        teacher = teacher_hidden[a:a + chunk].to(cdtype) @ head.T
+        same = student.argmax(-1) == teacher.argmax(-1)
+        agree += float((w[a:a + chunk] * same).sum())
+    return agree / total

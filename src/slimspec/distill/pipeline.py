@@ -269,6 +269,13 @@ def distill(
     return out, result
 
 
+def top1_text(result: DistillResult) -> str:
+    """``, top-1 agreement a -> b`` (step 0, held out) where both were measured, else nothing."""
+    summary = result.summary()
+    before, after = summary["top1_before"], summary["top1_after"]
+    return "" if before is None or after is None else f", top-1 agreement {before:.3f} -> {after:.3f}"
+
+
 def write_distilled(source: Path, ckpt: DrafterCheckpoint, drafter: Eagle3Drafter, out: Path,
                     result: DistillResult, options: DataOptions, target: str, overwrite: bool) -> None:
     """The source folder's files with the trained tensors and the distillation recorded in slimspec.json."""
@@ -292,7 +299,7 @@ def write_distilled(source: Path, ckpt: DrafterCheckpoint, drafter: Eagle3Drafte
         card = source / "README.md"
         if card.exists():
             text = card.read_text()
-            kl = (f"step-0 KL {result.kl_before:.4f} -> {result.kl_after:.4f} on held-out tokens"
+            kl = (f"step-0 KL {result.kl_before:.4f} -> {result.kl_after:.4f}{top1_text(result)} on held-out tokens"
                   if math.isfinite(result.kl_before) else "no held-out answer tokens to measure the KL on")
             text += f"\n## Distillation\n\n{result.steps} steps of full-vocabulary KL against `{target}`: {kl}.\n"
             (tmp / "README.md").write_text(text)
@@ -347,7 +354,7 @@ def init_and_distill(
     Returns the final factors (on the CPU) and a report (KL per start, distillation summary).
     """
     from slimspec.convert.factorize import factorize_whitened
-    from slimspec.distill.train import evaluate_kl, split_sequences, student_features
+    from slimspec.distill.train import evaluate_kl, evaluate_top1, split_sequences, student_features
     from slimspec.model import LowRankHead
 
     device = training_device(options.device)
@@ -367,8 +374,10 @@ def init_and_distill(
     for name, (up, down) in starts.items():
         drafter.lm_head = LowRankHead(up.clone(), down.clone()).to(device)
         loss, per_step = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=cfg.teacher)
+        top1 = evaluate_top1(drafter, eval_features, teacher, teacher_head, kind=cfg.teacher)
         report["init_kl"][name] = {"step0_kl": finite_or_none(per_step[0]), "ttt_loss": loss,
-                                   "per_step": [finite_or_none(v) for v in per_step]}
+                                   "per_step": [finite_or_none(v) for v in per_step],
+                                   "step0_top1": finite_or_none(top1[0])}
     if init not in starts:
         raise SlimSpecError(f"--init must be 'svd' or 'whitened', got {init!r}")
     up, down = starts[init]

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slimspec.distill.loss import full_vocab_kl
+from slimspec.distill.loss import full_vocab_kl, top1_agreement
 from slimspec.distill.teacher import TeacherData
 from slimspec.distill.teacher_table import table_budget, table_dtype, teacher_table
 from slimspec.errors import SlimSpecError
@@ -84,6 +84,8 @@ class DistillResult:
     kl_before_per_step: list[float]
     kl_after_per_step: list[float]
     history: list[dict] = field(default_factory=list)
+    top1_before_per_step: list[float] = field(default_factory=list)  # held-out argmax agreement with the teacher
+    top1_after_per_step: list[float] = field(default_factory=list)
     tokens_per_second: float = 0.0
     seconds: float = 0.0
     config: dict = field(default_factory=dict)
@@ -95,6 +97,10 @@ class DistillResult:
         for key in ("kl_before", "kl_after"):
             out[key] = finite_or_none(out[key])
             out[f"{key}_per_step"] = [finite_or_none(v) for v in out[f"{key}_per_step"]]
+        for key in ("top1_before", "top1_after"):
+            per_step = [finite_or_none(v) for v in out[f"{key}_per_step"]]
+            out[f"{key}_per_step"] = per_step
+            out[key] = per_step[0] if per_step else None
         return out
 
 
@@ -423,6 +429,28 @@ def evaluate_kl(drafter: Eagle3Drafter, features: StudentFeatures, teacher: Teac
     return loss, per_step
 
 
+@torch.no_grad()
+def evaluate_top1(drafter: Eagle3Drafter, features: StudentFeatures, teacher: TeacherData,
+                  teacher_head: torch.Tensor, batch: int = 4096, kind: str = "target",
+                  source: torch.Tensor | None = None) -> list[float]:
+    """Per TTT step, the weighted share of ``features``' rows whose student argmax is the teacher's
+    (:func:`slimspec.distill.loss.top1_agreement`; NaN for a step without weight)."""
+    k = features.hidden.shape[1]
+    hits, weights = [0.0] * k, [0.0] * k
+    down, up = head_factors(drafter)
+    for a in range(0, features.hidden.shape[0], batch):
+        for i in range(k):
+            w = features.weight[a:a + batch, i]
+            total = float(w.sum())
+            if total <= 0:
+                continue
+            h = features.hidden[a:a + batch, i]
+            th = teacher_hidden(h, features.teacher_index[a:a + batch, i], teacher, kind, source)
+            hits[i] += top1_agreement(h, down.detach(), up.detach(), th, teacher_head, weights=w) * total
+            weights[i] += total
+    return [s / w if w > 0 else float("nan") for s, w in zip(hits, weights, strict=True)]
+
+
 def frozen_teacher_table(features: StudentFeatures, teacher: TeacherData, teacher_head: torch.Tensor, kind: str,
                          temperature: float, progress: bool = False) -> torch.Tensor | None:
     """The teacher's log-probabilities of every training row of a head-only run, or None where the table would
@@ -542,6 +570,7 @@ def _distill(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.T
     eval_features = student_features(drafter, teacher, eval_idx, k, source_rows=frozen, allow_empty=True)
     kl_before, kl_before_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=kind,
                                              source=source)
+    top1_before = evaluate_top1(drafter, eval_features, teacher, teacher_head, kind=kind, source=source)
     train_features = None if cfg.train_backbone else student_features(drafter, teacher, train_idx, k, progress,
                                                                        all_positions=kind == "drafter")
     table = None if train_features is None else frozen_teacher_table(train_features, teacher, teacher_head, kind,
@@ -636,8 +665,10 @@ def _distill(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.T
         eval_features = student_features(drafter, teacher, eval_idx, k, source_rows=frozen, allow_empty=True)
     kl_after, kl_after_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=kind,
                                            source=source)
+    top1_after = evaluate_top1(drafter, eval_features, teacher, teacher_head, kind=kind, source=source)
     return DistillResult(steps=cfg.steps, kl_before=kl_before_steps[0], kl_after=kl_after_steps[0],
                          kl_before_per_step=kl_before_steps, kl_after_per_step=kl_after_steps, history=history,
+                         top1_before_per_step=top1_before, top1_after_per_step=top1_after,
                          tokens_per_second=tokens_seen / max(seconds, 1e-9), seconds=prior_seconds + seconds,
                          config=asdict(cfg))
 
