@@ -405,26 +405,33 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
     return total, per_step
 
 
-@torch.no_grad()
-def evaluate_kl(drafter: Eagle3Drafter, features: StudentFeatures, teacher: TeacherData,
-                teacher_head: torch.Tensor, decay: float, batch: int = 4096, kind: str = "target",
-                source: torch.Tensor | None = None) -> tuple[float, list[float]]:
-    """Weighted-mean KL per TTT step over ``features`` and the decayed sum (the training loss)."""
+def _held_out_means(drafter: Eagle3Drafter, features: StudentFeatures, teacher: TeacherData,
+                    teacher_head: torch.Tensor, metric, batch: int, kind: str,
+                    source: torch.Tensor | None) -> list[float]:
+    """Per TTT step, the weighted mean of ``metric(h, w_down, w_up, teacher_rows, teacher_head, weights=w)`` (a
+    weighted mean over its rows) over ``features`` in row batches; NaN for a step without weight."""
     k = features.hidden.shape[1]
     sums, weights = [0.0] * k, [0.0] * k
     down, up = head_factors(drafter)
     for a in range(0, features.hidden.shape[0], batch):
         for i in range(k):
             w = features.weight[a:a + batch, i]
-            if float(w.sum()) <= 0:
+            total = float(w.sum())
+            if total <= 0:
                 continue
             h = features.hidden[a:a + batch, i]
             th = teacher_hidden(h, features.teacher_index[a:a + batch, i], teacher, kind, source)
-            kl = full_vocab_kl(h, down.detach(), up.detach(), th, teacher_head,
-                               weights=w)
-            sums[i] += float(kl) * float(w.sum())
-            weights[i] += float(w.sum())
-    per_step = [s / w if w > 0 else float("nan") for s, w in zip(sums, weights, strict=True)]
+            sums[i] += float(metric(h, down.detach(), up.detach(), th, teacher_head, weights=w)) * total
+            weights[i] += total
+    return [s / w if w > 0 else float("nan") for s, w in zip(sums, weights, strict=True)]
+
+
+@torch.no_grad()
+def evaluate_kl(drafter: Eagle3Drafter, features: StudentFeatures, teacher: TeacherData,
+                teacher_head: torch.Tensor, decay: float, batch: int = 4096, kind: str = "target",
+                source: torch.Tensor | None = None) -> tuple[float, list[float]]:
+    """Weighted-mean KL per TTT step over ``features`` and the decayed sum (the training loss)."""
+    per_step = _held_out_means(drafter, features, teacher, teacher_head, full_vocab_kl, batch, kind, source)
     loss = sum((decay ** i) * v for i, v in enumerate(per_step) if not math.isnan(v))
     return loss, per_step
 
@@ -435,20 +442,7 @@ def evaluate_top1(drafter: Eagle3Drafter, features: StudentFeatures, teacher: Te
                   source: torch.Tensor | None = None) -> list[float]:
     """Per TTT step, the weighted share of ``features``' rows whose student argmax is the teacher's
     (:func:`slimspec.distill.loss.top1_agreement`; NaN for a step without weight)."""
-    k = features.hidden.shape[1]
-    hits, weights = [0.0] * k, [0.0] * k
-    down, up = head_factors(drafter)
-    for a in range(0, features.hidden.shape[0], batch):
-        for i in range(k):
-            w = features.weight[a:a + batch, i]
-            total = float(w.sum())
-            if total <= 0:
-                continue
-            h = features.hidden[a:a + batch, i]
-            th = teacher_hidden(h, features.teacher_index[a:a + batch, i], teacher, kind, source)
-            hits[i] += top1_agreement(h, down.detach(), up.detach(), th, teacher_head, weights=w) * total
-            weights[i] += total
-    return [s / w if w > 0 else float("nan") for s, w in zip(hits, weights, strict=True)]
+    return _held_out_means(drafter, features, teacher, teacher_head, top1_agreement, batch, kind, source)
 
 
 def frozen_teacher_table(features: StudentFeatures, teacher: TeacherData, teacher_head: torch.Tensor, kind: str,
