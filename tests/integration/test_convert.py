@@ -137,3 +137,22 @@ def test_cli_human_report_and_inspect(tmp_path):
 
 def _head(tmp_path):
     return load_drafter(tmp_path / "d").tensors["lm_head.weight"].double()
+
+
+def test_output_config_is_unknown_outside_the_plugin(tmp_path):
+    """Catches a converted config that another engine could load with the wrong head: SGLang falls back to
+    transformers for unknown architectures and loads remote code through ``auto_map``; both must fail there."""
+    import transformers
+
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    raw["auto_map"] = {"AutoConfig": "modeling_eagle3.Eagle3Config", "AutoModel": "modeling_eagle3.Eagle3Model"}
+    (tmp_path / "d" / "config.json").write_text(json.dumps(raw))
+    write_target(tmp_path / "t")
+    for vocab in ("full", "draft"):
+        out = tmp_path / f"o-{vocab}"
+        slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 5, vocab=vocab, out=out, progress=False)
+        cfg = json.loads((out / "config.json").read_text())
+        assert "auto_map" not in cfg
+        (arch,) = cfg["architectures"]
+        assert arch.startswith("Eagle3SlimSpec") and getattr(transformers, arch, None) is None
