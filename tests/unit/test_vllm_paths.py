@@ -38,17 +38,51 @@ def test_relative_local_paths_reach_vllm_absolute(tmp_path: Path, monkeypatch: p
 def test_draft_model_is_found_in_both_vllm_runners() -> None:
     """Catches the head check and drafter report going blind on vLLM's GPU model runner (0.33-0.34), which
     holds the drafter at ``model_runner.speculator.model`` instead of the v1 runner's ``model_runner.drafter``."""
+    import importlib
     import os
     from types import SimpleNamespace
     from unittest import mock
 
-    from tests.scripts import load_script
-
-    with mock.patch.dict(os.environ):  # the script sets vLLM's environment when loaded: keep ours
-        check = load_script("vllm_check")
+    with mock.patch.dict(os.environ):  # the module sets vLLM's environment when loaded: keep ours
+        check = importlib.import_module("slimspec.evaluate.vllm_check")
     v1_model, gpu_model = object(), object()
     v1 = SimpleNamespace(model_runner=SimpleNamespace(drafter=SimpleNamespace(model=v1_model)))
     gpu = SimpleNamespace(model_runner=SimpleNamespace(speculator=SimpleNamespace(model=gpu_model)))
     assert check.draft_model(v1) is v1_model
     assert check.draft_model(gpu) is gpu_model
     assert check.draft_model(SimpleNamespace(model_runner=SimpleNamespace(drafter=None))) is None
+
+
+def test_engine_python_and_command_without_a_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches `slimspec eval --engine vllm` failing for a pip install (no repository, no .venv-vllm, no scripts/):
+    with vLLM importable here it must run this python with the module shipped in the package; without vLLM
+    anywhere it must say how to get it; an explicit SLIMSPEC_VLLM_PYTHON or check script wins."""
+    monkeypatch.setattr(vllm_engine, "REPO", tmp_path)  # a site-packages install: no .venv-vllm beside it
+    monkeypatch.delenv(vllm_engine.PYTHON_ENV, raising=False)
+    monkeypatch.delenv(vllm_engine.SCRIPT_ENV, raising=False)
+    found = {"vllm": True}
+    real_find_spec = vllm_engine.importlib.util.find_spec
+    monkeypatch.setattr(vllm_engine.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" and found["vllm"] else real_find_spec(name, *a))
+    python = vllm_engine.vllm_python()
+    assert python == Path(sys.executable)
+    assert vllm_engine.check_command(python) == [sys.executable, "-m", "slimspec.evaluate.vllm_check"]
+    found["vllm"] = False
+    with pytest.raises(vllm_engine.SlimSpecError, match="slimspec\\[vllm\\]"):
+        vllm_engine.vllm_python()
+    (tmp_path / ".venv-vllm" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv-vllm" / "bin" / "python").touch()
+    assert vllm_engine.vllm_python() == tmp_path / ".venv-vllm" / "bin" / "python"
+    monkeypatch.setenv(vllm_engine.PYTHON_ENV, sys.executable)
+    monkeypatch.setenv(vllm_engine.SCRIPT_ENV, __file__)
+    assert vllm_engine.vllm_python() == Path(sys.executable)
+    assert vllm_engine.check_command(Path(sys.executable)) == [sys.executable, __file__]
+
+
+def test_check_module_runs_as_a_module() -> None:
+    """Catches the shipped check module not running as ``python -m`` (how the engine is started): its --help
+    must come back without importing vLLM (absent from this environment)."""
+    proc = subprocess.run([sys.executable, "-m", "slimspec.evaluate.vllm_check", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--prompts-json" in proc.stdout

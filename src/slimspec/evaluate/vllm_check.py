@@ -1,10 +1,11 @@
 """Run a target (optionally with an EAGLE-3 drafter) in a real vLLM engine and print one JSON object.
 
-Runs inside .venv-vllm (see scripts/setup_vllm_venv.sh), from a neutral working directory: a folder
-named ``slimspec`` in the working directory would shadow the installed plugin package. Used by
-tests/e2e/test_vllm.py and by ``slimspec.evaluate.vllm_engine.evaluate_vllm``::
+Runs in a Python that has vLLM and slimspec (``.venv-vllm``, see scripts/setup_vllm_venv.sh, or the serving
+environment of ``pip install 'slimspec[vllm]'``), from a neutral working directory: a folder named ``slimspec``
+in the working directory would shadow the installed plugin package. Used by tests/e2e/test_vllm.py and by
+``slimspec.evaluate.vllm_engine.evaluate_vllm`` (``slimspec eval --engine vllm``)::
 
-    .venv-vllm/bin/python scripts/vllm_check.py --target T [--drafter D] --prompts-json prompts.json \\
+    .venv-vllm/bin/python -m slimspec.evaluate.vllm_check --target T [--drafter D] --prompts-json prompts.json \\
         [--max-new-tokens 64] [--draft-tokens 3] [--temperature 0] [--dtype float32] [--local-argmax]
 
 The JSON (the last line of stdout; vLLM's own logs go to stderr) holds the generated token ids, timings,
