@@ -577,7 +577,8 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of speculative sampling (T > 0).")
 @click.option("--baseline", help="A second drafter measured in the same run (rho_tau = tau / tau_baseline).")
 @click.option("--engine", type=click.Choice(["reference", "vllm"]), default="reference", show_default=True,
-              help="vllm: measure in a real vLLM engine (.venv-vllm, SlimSpec plugin), beside the reference decoder.")
+              help="vllm: measure in a real vLLM engine, beside the reference decoder. vLLM runs in its own "
+                   "process: $SLIMSPEC_VLLM_PYTHON, a checkout's .venv-vllm, or this Python if vLLM is installed.")
 @click.option("--device", default="auto", show_default=True,
               help="Where the reference decoder runs the target and the drafters: auto ($SLIMSPEC_DEVICE if set, "
                    "else a CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda or cuda:N.")
