@@ -23,11 +23,11 @@ import time
 import traceback
 from typing import Any
 
+from slimspec.evaluate.vllm_engine import ENGINE_DEFAULTS
+
 # Before vLLM is imported: in-process engine (starts in seconds, no __main__ re-import), logs on stderr.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+for _name, _value in ENGINE_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
 
 SPEC_PREFIX = "vllm:spec_decode_"
 

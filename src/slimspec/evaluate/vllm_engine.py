@@ -24,9 +24,10 @@ REPO = Path(__file__).resolve().parents[3]
 PYTHON_ENV = "SLIMSPEC_VLLM_PYTHON"  # a python with vLLM (default: <repo>/.venv-vllm, else this one if it has vLLM)
 SCRIPT_ENV = "SLIMSPEC_VLLM_CHECK"  # a check script to run instead of the module below
 CHECK_MODULE = "slimspec.evaluate.vllm_check"
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-              "VLLM_LOGGING_STREAM": "ext://sys.stderr", "TOKENIZERS_PARALLELISM": "false",
-              "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}  # no usage report to stats.vllm.ai
+ENGINE_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                   "VLLM_LOGGING_STREAM": "ext://sys.stderr", "TOKENIZERS_PARALLELISM": "false"}
+"""What the check module sets (unless already set) before it imports vLLM: in-process engine, logs on stderr."""
+ENGINE_ENV = {**ENGINE_DEFAULTS, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}  # no usage report to stats.vllm.ai
 
 
 def vllm_python() -> Path:
