@@ -18,7 +18,8 @@ adds ``a`` x cross-entropy on the target's actual next token (answer rows whose 
 ``"focus": eps`` weighs training rows 1 where the source head's argmax is the target's next token and ``eps``
 elsewhere (``"soft"``: the source's probability of that token), and ``"noise": {"kind": "iso"|"data", "scale": s}``
 perturbs the student states while training (see ``with_feature_noise``). ``"train_factor": "up"|"down"`` trains
-one factor only (session 39). ``"toward_start": [a, ...]`` also converts the variant without steps (its
+one factor only (session 39). ``"tied_up": true`` trains ``W_up`` inside the source head's column space
+(``tied_up``, session 46). ``"toward_start": [a, ...]`` also converts the variant without steps (its
 whitened start) and measures, for each ``a``, the factors ``start + a (distilled - start)`` (session 42: weight
 interpolation, the WiSE-FT remedy for a fine-tune that transfers worse than it fits).
 
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         noise = v.pop("noise", None)
         factor = v.pop("train_factor", None)
         toward_start = [float(a) for a in v.pop("toward_start", [])]
+        tied = bool(v.pop("tied_up", False))
         if factor not in (None, "up", "down"):
             raise SystemExit(f"{name}: train_factor must be 'up' or 'down', got {factor!r}")
         train.trainable_parameters = only_factor(trainable, factor) if factor else trainable
@@ -102,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         train.student_features = ((lambda *a, all_positions=False, **k: features(*a, **k)) if answers_only
                                   else features)
         pipeline.distill_drafter = focused(distill, focus) if focus is not None else distill
+        if tied:
+            pipeline.distill_drafter = tied_up(pipeline.distill_drafter)
         options, cfg = pipeline.brief_distillation(None, teacher)
         options, cfg = dataclasses.replace(options, **data_overrides), dataclasses.replace(cfg, **v)
         pipeline.teacher_for = brief_teacher
@@ -170,6 +174,46 @@ def only_factor(trainable_parameters, factor: str):
         return chosen
 
     return params
+
+
+def tied_up(distill_drafter):
+    """``distill_drafter`` training ``W_up = U C`` with ``U`` an orthonormal basis of the source head's columns
+    (``[V, d]``, fixed) and ``C`` (``[d, r]``) free: the logits stay in the source head's column space, which holds
+    the whitened start exactly, and the head trains ``d r + r d`` weights instead of ``V r + r d``."""
+    import torch
+
+    from slimspec.convert.factorize import balance_factors
+
+    class TiedUpHead(torch.nn.Module):
+        def __init__(self, basis, up, down):
+            super().__init__()
+            self.register_buffer("basis", basis)
+            self.coef = torch.nn.Parameter(basis.T @ up)
+            self.down = torch.nn.Parameter(down.clone())
+            err = float((basis @ self.coef.detach() - up).norm() / up.norm())
+            print(f"[tied] W_up outside the source head's column space: {err:.2e}", flush=True)
+
+        def forward(self, h):
+            return torch.nn.functional.linear(torch.nn.functional.linear(h, self.down), self.weight_up)
+
+        @property
+        def weight_up(self):
+            return self.basis @ self.coef
+
+        @property
+        def weight_down(self):
+            return self.down
+
+    def run(drafter, teacher, teacher_head, cfg, **kwargs):
+        head = drafter.lm_head
+        with torch.no_grad():
+            up, down = balance_factors(head.up.float(), head.down.float())
+            basis = torch.linalg.svd(teacher_head[:, :-1].float(), full_matrices=False)[0]
+        drafter.lm_head = TiedUpHead(basis.to(up.device), up, down)
+        result = distill_drafter(drafter, teacher, teacher_head, cfg, **kwargs)
+        return result
+
+    return run
 
 
 def shrunk_covariance(covariance, alpha: float):

@@ -28,6 +28,7 @@ class Spec:
     fc_norm: bool = False
     norm_before_fc: bool = False
     no_head: bool = False
+    layers: int = 1  # decoder layers; layers 1.. are written as layers.{i}.* (speculators' and vLLM's names)
     sharded: bool = False
     seed: int = 0
     extra_config: dict = field(default_factory=dict)
@@ -65,6 +66,16 @@ def canonical_tensors(spec: Spec) -> dict[str, torch.Tensor]:
     if spec.qwen3:
         t["midlayer.self_attn.q_norm.weight"] = norm(spec.hd)
         t["midlayer.self_attn.k_norm.weight"] = norm(spec.hd)
+    for i in range(1, spec.layers):  # plain decoder layers over the hidden state
+        p = f"layers.{i}."
+        t.update({p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+                  p + "self_attn.q_proj.weight": rnd(a, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+                  p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, a),
+                  p + "mlp.gate_proj.weight": rnd(spec.inter, h), p + "mlp.up_proj.weight": rnd(spec.inter, h),
+                  p + "mlp.down_proj.weight": rnd(h, spec.inter)})
+        if spec.qwen3:
+            t[p + "self_attn.q_norm.weight"] = norm(spec.hd)
+            t[p + "self_attn.k_norm.weight"] = norm(spec.hd)
     if spec.fc_norm:
         for i in range(3):
             t[f"fc_norm.{i}.weight"] = norm(spec.target_hidden)
@@ -92,7 +103,7 @@ def _llama_config(spec: Spec) -> dict:
         "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.kv_heads,
         "intermediate_size": spec.inter,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": spec.layers,
         "vocab_size": spec.vocab,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,

@@ -634,8 +634,9 @@ def inspect(drafter: str, target: str | None, plot: Path | None, as_json: bool) 
     cfg = info["config"]
     click.echo(f"drafter        {info['drafter']}")
     click.echo(f"layout         {info['layout']}  (head: {info['head']})")
+    layers = f", {cfg['num_layers']} decoder layers" if cfg["num_layers"] > 1 else ""
     click.echo(f"hidden         {cfg['hidden_size']}  (target hidden {cfg['target_hidden_size']}, "
-               f"{cfg['num_attention_heads']} heads x {cfg['head_dim']}, {cfg['model_type']})")
+               f"{cfg['num_attention_heads']} heads x {cfg['head_dim']}, {cfg['model_type']}{layers})")
     click.echo(f"draft vocab    {info['draft_vocab_size']} of {info['vocab_size']} "
                f"({100 * info['vocab_coverage']:.1f}% of the target vocabulary)")
     if info["dropped_tensors"]:

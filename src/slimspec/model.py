@@ -13,9 +13,10 @@ of token ``x_{t+1}`` with RoPE position ``t``, and predicts ``x_{t+2}``. Draft s
 position ``t`` sees token ``x_{t+1+i}`` at RoPE position ``t+i`` and predicts ``x_{t+2+i}``.
 
 Module names follow the canonical tensor names (``fc``, ``fc_norm.{i}``, ``input_norm``, ``midlayer.*``,
-``norm``), so :meth:`Eagle3Drafter.canonical_state_dict` is the module's own state plus the head's
-canonical names (``lm_head.weight`` = ``W_up`` and ``lm_head_down.weight`` = ``W_down`` for a low-rank
-head) and ``d2t``. The token embedding is the target's and stays frozen: a non-persistent buffer.
+``layers.{i}.*`` for the later layers of a multi-layer drafter, ``norm``), so
+:meth:`Eagle3Drafter.canonical_state_dict` is the module's own state plus the head's canonical names
+(``lm_head.weight`` = ``W_up`` and ``lm_head_down.weight`` = ``W_down`` for a low-rank head) and ``d2t``. The token
+embedding is the target's and stays frozen: a non-persistent buffer.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from torch import Tensor, nn
 
 from slimspec.checkpoint.drafter import LOWRANK_DOWN, DrafterCheckpoint, DrafterConfig
 
-KVCache = tuple[Tensor, Tensor]  # (keys, values), each [B, kv_heads, S, head_dim], RoPE already applied
+# (keys, values), each [B, kv_heads, S, head_dim], RoPE already applied; a multi-layer drafter's stacks its
+# layers' heads: [B, layers * kv_heads, S, head_dim], so cropping and lengths read dim 2 alike
+KVCache = tuple[Tensor, Tensor]
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "silu": F.silu,
@@ -173,14 +176,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Eagle3Attention(nn.Module):
-    """Attention over the 2H-wide input; GQA, explicit head_dim, optional Qwen3 q/k norms, a (k, v) cache."""
+    """Attention over the 2H-wide input of the EAGLE-3 layer (``width`` H in later layers); GQA, explicit
+    head_dim, optional Qwen3 q/k norms, a (k, v) cache."""
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, width: int | None = None) -> None:
         super().__init__()
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise ValueError(f"{cfg.num_attention_heads} heads do not share {cfg.num_key_value_heads} kv heads")
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        h2 = 2 * cfg.hidden_size
+        h2 = 2 * cfg.hidden_size if width is None else width
         self.q_proj = nn.Linear(h2, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(h2, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(h2, self.kv_heads * self.head_dim, bias=False)
@@ -226,7 +230,7 @@ class Eagle3MLP(nn.Module):
 
 
 class Eagle3Layer(nn.Module):
-    """The single EAGLE-3 decoder layer (canonical prefix ``midlayer.``)."""
+    """The EAGLE-3 decoder layer over [embedding, hidden] (canonical prefix ``midlayer.``)."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -250,11 +254,29 @@ class Eagle3Layer(nn.Module):
         return h, kv
 
 
+class Eagle3DecoderLayer(nn.Module):
+    """A later decoder layer (``layers.{i}.``, i >= 1): a plain pre-norm Llama/Qwen3 layer over the hidden state
+    alone, as speculators trains and vLLM serves multi-layer EAGLE-3 drafters."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg, width=cfg.hidden_size)
+        self.mlp = Eagle3MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: KVCache | None,
+                mask: Tensor) -> tuple[Tensor, KVCache]:
+        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, past, mask)
+        h = x + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
 # ----------------------------------------------------------------------------------------------- model
 
 
 class Eagle3Drafter(nn.Module):
-    """EAGLE-3 drafter: ``combine`` (fc), one decoder layer (``forward``), ``logits``, and the TTT unroll."""
+    """EAGLE-3 drafter: ``combine`` (fc), the decoder layer(s) (``forward``), ``logits``, and the TTT unroll."""
 
     def __init__(self, config: DrafterConfig, head: Head | None = None, embed_weight: Tensor | None = None,
                  d2t: Tensor | None = None) -> None:
@@ -266,6 +288,8 @@ class Eagle3Drafter(nn.Module):
         self.fc_norm = nn.ModuleList(RMSNorm(ht, cfg.rms_norm_eps) for _ in range(n)) if cfg.fc_norm else None
         self.fc = nn.Linear(n * ht, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(cfg)
+        # layers 1, 2, ... of a multi-layer drafter (state-dict names layers.{i}.*, as vLLM's); empty for one layer
+        self.layers = nn.ModuleDict({str(i): Eagle3DecoderLayer(cfg) for i in range(1, cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head: Head | None = head if head is not None else FullHead.empty(cfg.draft_vocab_size, cfg.hidden_size)
         if self.lm_head is not None:
@@ -377,7 +401,7 @@ class Eagle3Drafter(nn.Module):
     def forward(self, input_ids: Tensor | None = None, hidden: Tensor | None = None, positions: Tensor | None = None,
                 past_key_values: KVCache | None = None, attention_mask: Tensor | None = None,
                 inputs_embeds: Tensor | None = None) -> tuple[Tensor, KVCache]:
-        """One pass of the decoder layer over T new positions; returns (pre-norm h [B, T, H], new cache).
+        """One pass of the decoder layer(s) over T new positions; returns (pre-norm h [B, T, H], new cache).
 
         ``hidden`` [B, T, H] is ``combine(aux)`` on step 0, or a previous step's output (see ``next_hidden``).
         ``positions`` [B, T] default to ``cached + arange(T)``. ``attention_mask``: boolean [B or 1, T, S]
@@ -395,7 +419,18 @@ class Eagle3Drafter(nn.Module):
             q = torch.arange(t, device=hidden.device).unsqueeze(1) + past_len
             attention_mask = (torch.arange(past_len + t, device=hidden.device).unsqueeze(0) <= q).unsqueeze(0)
         cos, sin = self.rope(positions)
-        return self.midlayer(emb, hidden, cos, sin, past_key_values, attention_mask)
+        kv = self.config.num_key_value_heads
+        past = [None if past_key_values is None else
+                (past_key_values[0][:, i * kv:(i + 1) * kv], past_key_values[1][:, i * kv:(i + 1) * kv])
+                for i in range(1 + len(self.layers))]
+        h, cache = self.midlayer(emb, hidden, cos, sin, past[0], attention_mask)
+        if not self.layers:
+            return h, cache
+        caches = [cache]
+        for i, layer in enumerate(self.layers.values(), start=1):
+            h, cache = layer(h, cos, sin, past[i], attention_mask)
+            caches.append(cache)
+        return h, (torch.cat([c[0] for c in caches], dim=1), torch.cat([c[1] for c in caches], dim=1))
 
     def normed(self, h: Tensor) -> Tensor:
         """The final norm of a pre-norm output."""

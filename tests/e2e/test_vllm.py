@@ -408,3 +408,64 @@ def test_from_scratch_low_rank_drafter_with_two_feature_layers_is_served(tmp_pat
     assert report["ok"], report
     assert report["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM" and report["head_shape"] == [512, 16]
     _head_ok(report)
+
+
+def _two_layer_drafter(folder: Path, scale: float = 20.0) -> Path:
+    """The embedded drafter with a second decoder layer (``layers.1.*``, as speculators writes multi-layer EAGLE-3
+    drafters): random weights whose residual writes (o_proj, down_proj) are ``scale`` x the usual 1/sqrt(fan-in),
+    enough to move its tau on these prompts (t7's hidden states are ~300 in size) and few enough to keep it > 1.4."""
+    source = Path(embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False))
+    shutil.copytree(source, folder)
+    tensors = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    config = json.loads((folder / "config.json").read_text())
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    a, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(rows: int, cols: int, gain: float = 1.0) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g) * gain / cols ** 0.5).half()
+
+    p = "layers.1."
+    tensors.update({p + "input_layernorm.weight": torch.ones(h).half(),
+                    p + "post_attention_layernorm.weight": torch.ones(h).half(),
+                    p + "self_attn.q_proj.weight": rnd(a, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+                    p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, a, scale),
+                    p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+                    p + "mlp.down_proj.weight": rnd(h, inter, scale)})
+    torch.save(tensors, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    return folder
+
+
+def test_multi_layer_drafter_is_served_as_the_reference_decoder_runs_it(target, baseline, tmp_path):
+    """A drafter with two decoder layers, before conversion (vLLM's own EAGLE-3 class) and after (the plugin, SVD
+    at rank 432 = 3d/4 over the draft vocabulary; d/2 keeps tau ~1.13 only): vLLM must accept what the reference
+    decoder accepts (they agreed to 4 decimals: 1.5210 and, at d/2, 1.1300), keep the greedy output,
+    and serve the converted head. Catches a later layer that one engine skips or wires differently (the second
+    layer moves the reference tau away from the one-layer drafter's, so skipping it shows), a conversion that
+    drops it or misdeclares num_hidden_layers (vLLM then refuses or runs a random layer), and a served head that
+    is not the checkpoint's."""
+    from slimspec.evaluate.acceptance import evaluate
+
+    source = _two_layer_drafter(tmp_path / "two-layer")
+    converted = slimspec.convert(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
+                                 out=tmp_path / "converted", progress=False).out
+    prompts = _prompts()[:4]
+
+    def reference_tau(drafter: Path) -> float:
+        return evaluate(str(drafter), embedded.EMBEDDED_TARGET, num_prompts=len(prompts),
+                        max_new_tokens=MAX_NEW_TOKENS, draft_tokens=DRAFT_TOKENS, progress=False)["tau"]
+
+    one_layer = reference_tau(Path(embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)))
+    for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):
+        report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head"])
+        assert report["ok"], report
+        assert report["draft_model_class"] == served_class
+        assert report["outputs"] == baseline["outputs"][:len(prompts)], "speculation changed the greedy output"
+        _head_ok(report)
+        ours = reference_tau(drafter)
+        print(f"\n[vllm] two layers, {drafter.name}: vLLM tau {report['tau']:.4f}, reference {ours:.4f} "
+              f"(one-layer drafter, reference: {one_layer:.4f})")
+        assert report["tau"] > 1.1 and abs(report["tau"] - ours) <= 0.02
+        if drafter == source:
+            assert abs(ours - one_layer) >= 0.05, "the second layer should change which drafts are accepted"

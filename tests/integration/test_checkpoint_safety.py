@@ -183,14 +183,15 @@ def _edit_bin(folder, **changes) -> None:
 
 
 @pytest.mark.parametrize(("tensor", "needle"), [
-    ("layers.1.self_attn.q_proj.weight", "more than one decoder layer"),
-    ("model.layers.2.mlp.up_proj.weight", "more than one decoder layer"),
+    ("layers.1.self_attn.q_proj.weight", "decoder layer 1 of 2 lacks input_layernorm.weight"),
+    ("model.layers.2.mlp.up_proj.weight", "decoder layer 1 of 3 lacks input_layernorm.weight"),
     ("lm_head.bias", "LM head with a bias"),
     ("midlayer.self_attn.q_norm.weight", "both self_attn.q_norm and self_attn.k_norm"),
 ])
 def test_drafter_parts_that_would_be_dropped_are_refused(tmp_path, tensor, needle):
-    """Catches a second decoder layer, an LM-head bias or half of Qwen3's q/k norms loaded without them: the
-    conversion (and vLLM) would run another model than the published one, with no error."""
+    """Catches a stray tensor of a second decoder layer (an incomplete layer), an LM-head bias or half of Qwen3's
+    q/k norms loaded without them: the conversion (and vLLM) would run another model than the published one, with
+    no error. (Complete later layers load: tests/unit/test_layouts.py.)"""
     write_drafter(tmp_path / "d", "eagle", Spec())
     _edit_bin(tmp_path / "d", **{tensor.replace(".", "__"): torch.ones(4)})
     with pytest.raises(CheckpointError, match=needle):

@@ -135,6 +135,17 @@ def test_cli_human_report_and_inspect(tmp_path):
     assert abs(info["energy"]["draft vocab head"]["d/4"] - expected) < 1e-6
 
 
+def test_inspect_shows_a_multi_layer_drafter(tmp_path):
+    """Catches `inspect` hiding that a drafter has more than one decoder layer (its layer cost is then several
+    times a single layer's)."""
+    write_drafter(tmp_path / "d", "speculators", Spec(layers=3))
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "d")])
+    assert result.exit_code == 0, result.output
+    assert "llama, 3 decoder layers)" in result.stdout and "layers.2.mlp.down_proj.weight" in result.stdout
+    one = CliRunner().invoke(main, ["inspect", str(tmp_path / "d"), "--json"])
+    assert json.loads(one.stdout)["config"]["num_layers"] == 3
+
+
 def _head(tmp_path):
     return load_drafter(tmp_path / "d").tensors["lm_head.weight"].double()
 

@@ -136,6 +136,35 @@ def test_convert_with_whitened_init_and_distill(tiny_converted, tiny_target, tmp
     assert f"| held-out top-1 agreement with the target | {d['top1_before']:.4f} -> {d['top1_after']:.4f} |" in card
 
 
+def test_multi_layer_drafter_converts_distils_and_keeps_its_layers(tiny_target, tmp_path):
+    """Catches a multi-layer drafter (speculators layout, 2 decoder layers) losing a layer in conversion: the
+    output must declare and carry both (vLLM builds num_hidden_layers of them), its backbone must compute exactly
+    the source's states, and the whitened start and the distillation must run through both layers."""
+    from slimspec.checkpoint import load_drafter
+    from slimspec.model import Eagle3Drafter
+
+    source = tmp_path / "drafter"
+    write_drafter(source, "speculators", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32, layers=2,
+                                              extra_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))
+    res = slimspec.convert(str(source), str(tiny_target), 8, vocab="draft", out=tmp_path / "o", init="whitened",
+                           distill_steps=10, data_options=FEW, progress=False,
+                           distill_config=DistillConfig(lr=1e-2, warmup_steps=2, batch_tokens=256))
+    assert res.report["distill"]["kl_after"] < res.report["distill"]["kl_before"]
+    assert json.loads((res.out / "config.json").read_text())["num_hidden_layers"] == 2
+    src, out = load_drafter(source), load_drafter(res.out)
+    assert out.config.num_layers == 2
+    later = {k for k in src.tensors if k.startswith("layers.1.")}
+    assert len(later) == 9 and all(torch.equal(out.tensors[k], src.tensors[k]) for k in later)
+    embed = torch.randn(49152, 32, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 49152, (1, 9), generator=torch.Generator().manual_seed(1))
+    aux = torch.randn(1, 6, 96, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a = Eagle3Drafter.from_checkpoint(src, embed_weight=embed).ttt_forward(ids, aux, 3)
+        b = Eagle3Drafter.from_checkpoint(out, embed_weight=embed).ttt_forward(ids, aux, 3)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
 def test_resume_is_bit_for_bit(tiny_converted, tiny_target, tmp_path):
     """Catches a resume that changes the data order, optimizer state or RNG: the resumed run must end
     with exactly the same head as an uninterrupted one; and a resume that loads another run's checkpoint (other

@@ -39,6 +39,9 @@ CASES = {
              extra_config={"norm_output": True, "norm_before_residual": False}),
         None, 0, None),
     "llama-specforge-lowrank": ("specforge", Spec(kv_heads=4), None, 0, 6),
+    "llama-speculators-3-layers": ("speculators", Spec(layers=3), None, 0, None),
+    "qwen3-speculators-2-layers-lowrank-norm_output": (
+        "speculators", Spec(qwen3=True, layers=2, head_dim=16, extra_config={"norm_output": True}), None, 7, 5),
 }
 
 
@@ -50,8 +53,8 @@ def _speculators_model(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], emb
     layer = layer_cls(
         hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
-        vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps, hidden_act=cfg.hidden_act, num_hidden_layers=1,
-        max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
+        vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps, hidden_act=cfg.hidden_act,
+        num_hidden_layers=cfg.num_layers, max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
     )
     layer._attn_implementation = "eager"
     config = Eagle3SpeculatorConfig(
@@ -85,10 +88,11 @@ def _speculators_model(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], emb
 
 def _run_speculators(model: Eagle3DraftModel, ids: torch.Tensor, aux: torch.Tensor, steps: int,
                      positions: torch.Tensor | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Pre-norm hidden states (decoder layer outputs) and logits of each TTT step, caught with forward hooks."""
+    """Pre-norm hidden states (the last decoder layer's outputs) and logits of each TTT step, caught with forward
+    hooks."""
     t = aux.shape[1]
     hidden, logits = [], []
-    hooks = [model.layers[0].register_forward_hook(lambda m, a, out: hidden.append(out)),
+    hooks = [model.layers[-1].register_forward_hook(lambda m, a, out: hidden.append(out)),
              model.lm_head.register_forward_hook(lambda m, a, out: logits.append(out))]
     try:
         with torch.no_grad():
@@ -128,7 +132,9 @@ def _data(cfg: DrafterConfig, t: int, steps: int, seed: int = 1) -> tuple[torch.
 def test_ttt_steps_match_speculators(tmp_path, case):
     """Catches any divergence from an independent EAGLE-3 implementation on the same weights: layer maths,
     embedding-first concat, norm_before_residual, fc_norm / input_norm, Qwen3 q/k norms, explicit head_dim,
-    GQA, llama3 RoPE at large positions, norm_output feedback, the low-rank head, and TTT masking/shift."""
+    GQA, llama3 RoPE at large positions, norm_output feedback, the low-rank head, TTT masking/shift, and the
+    later decoder layers of a multi-layer drafter (their residuals, norms, attention over the hidden state alone
+    and their own KV caches across TTT steps)."""
     layout, spec, rope_scaling, start, rank = CASES[case]
     ours, theirs, cfg = _pair(tmp_path, layout, spec, rope_scaling, rank)
     T, steps = 9, 3

@@ -141,3 +141,37 @@ def test_interpolated_heads_lie_between_start_and_end_and_keep_the_rest(tmp_path
     save_file({**heads["start"], "fc.weight": body + 1}, str(tmp_path / "start" / "model.safetensors"))
     with pytest.raises(SystemExit, match="differ outside the head"):
         variants.interpolate_heads(tmp_path / "final", tmp_path / "start", 0.5, tmp_path / "bad")
+
+
+def test_tied_up_head_keeps_the_start_and_stays_in_the_source_heads_column_space():
+    """Catches the tied parametrisation changing the start it is handed (the product W_up W_down must survive the
+    rebalance and the change of basis), training V x r weights after all, and a W_up that leaves the source
+    head's column space after a step (the variant would then measure the plain recipe)."""
+    from slimspec.model import LowRankHead
+
+    variants = load_script("distill_variants")
+    g = torch.Generator().manual_seed(4)
+    source = torch.randn(40, 6, generator=g, dtype=torch.float64).float()  # [V, d]
+    up = source @ torch.randn(6, 3, generator=g) * 5.0  # a start inside the column space, lopsided in scale
+    down = torch.randn(3, 6, generator=g) * 0.1
+    drafter = SimpleNamespace(lm_head=LowRankHead(up, down))
+    teacher_head = torch.cat([source, torch.zeros(40, 1)], dim=1)  # the drafter teacher's bias column is dropped
+    seen = {}
+
+    def fake_distill(d, teacher, head, cfg, **kwargs):
+        params = list(d.lm_head.parameters())
+        seen["shapes"] = sorted(tuple(p.shape) for p in params)
+        torch.testing.assert_close(d.lm_head.weight_up @ d.lm_head.weight_down, up @ down, rtol=1e-4, atol=1e-4)
+        loss = (d.lm_head(torch.randn(5, 6, generator=g)) ** 2).sum()
+        loss.backward()
+        with torch.no_grad():
+            for p in params:
+                p -= 0.1 * p.grad
+        return "result"
+
+    assert variants.tied_up(fake_distill)(drafter, None, teacher_head, None) == "result"
+    assert seen["shapes"] == [(3, 6), (6, 3)]  # coef [d, r] and W_down [r, d]: no [V, r] weights
+    w_up = drafter.lm_head.weight_up.detach()
+    assert not torch.allclose(w_up @ drafter.lm_head.weight_down.detach(), up @ down, atol=1e-3)  # it moved
+    inside = source @ torch.linalg.lstsq(source, w_up).solution
+    torch.testing.assert_close(inside, w_up, rtol=1e-4, atol=1e-4)

@@ -1,9 +1,11 @@
 """Every published EAGLE-3 layout loads into the same canonical form, tensor for tensor."""
 
+import json
 import pickle
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from slimspec.checkpoint import load_drafter
 from slimspec.errors import CheckpointError
@@ -80,6 +82,52 @@ def test_angelslim_explicit_head_dim(tmp_path):
     ckpt = load_drafter(tmp_path / "a")
     _assert_same(ckpt, written)
     assert ckpt.config.head_dim == 12 and ckpt.layout == "angelslim"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_multi_layer_drafter_loads_in_every_layout(tmp_path, layout):
+    """Catches the later decoder layers of a multi-layer drafter (``layers.{i}.*``: speculators trains them,
+    vLLM serves them) dropped, renamed or refused: every tensor must come through and the config count them."""
+    written = write_drafter(tmp_path / layout, layout, Spec(layers=3, qwen3=layout == "speculators"))
+    ckpt = load_drafter(tmp_path / layout)
+    _assert_same(ckpt, written)
+    assert ckpt.config.num_layers == 3 and "layers.2.mlp.down_proj.weight" in ckpt.tensors
+    assert ckpt.config.model_type == ("qwen3" if layout == "speculators" else "llama")
+
+
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_layer_count_follows_the_weights_and_must_match_a_multi_layer_config(tmp_path):
+    """Catches trusting the config's num_hidden_layers over the weights: one layer of weights is one layer (as the
+    EAGLE reference reads yuhuili's EAGLE3-Vicuna1.3-13B, whose config says 40), but several layers of weights
+    with another declared count are refused (vLLM would build the config's count)."""
+    write_drafter(tmp_path / "one", "eagle", Spec())
+    _edit_config(tmp_path / "one", num_hidden_layers=40)
+    assert load_drafter(tmp_path / "one").config.num_layers == 1
+    write_drafter(tmp_path / "two", "eagle", Spec(layers=2))
+    assert load_drafter(tmp_path / "two").config.num_layers == 2
+    _edit_config(tmp_path / "two", num_hidden_layers=3)
+    with pytest.raises(CheckpointError, match="declares num_hidden_layers=3 but the weights hold 2"):
+        load_drafter(tmp_path / "two")
+
+
+def test_later_layer_hidden_norm_is_dropped_and_mixed_qk_norms_refused(tmp_path):
+    """Catches a later layer's ``hidden_norm`` (vLLM builds one per layer but only layer 0 reads it) taken for a
+    weight the model must hold, and a drafter whose layers disagree on Qwen3 q/k norms loaded as one style."""
+    folder = tmp_path / "s"
+    write_drafter(folder, "speculators", Spec(qwen3=True, layers=2))
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({**tensors, "layers.1.hidden_norm.weight": torch.ones(32)}, str(folder / "model.safetensors"))
+    ckpt = load_drafter(folder)
+    assert ckpt.dropped == ["layers.1.hidden_norm.weight"] and ckpt.config.num_layers == 2
+    del tensors["layers.1.self_attn.q_norm.weight"], tensors["layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="some decoder layers have Qwen3 q/k norms and others do not"):
+        load_drafter(folder)
 
 
 class _Evil:

@@ -93,9 +93,11 @@ def test_headless_drafter_takes_the_targets_head(tmp_path):
 
 @pytest.mark.parametrize("lowrank", [False, True])
 def test_canonical_state_dict_round_trip(tmp_path, lowrank):
-    """Catches a tensor lost, renamed or altered between a checkpoint and the module (incl. W_up/W_down, d2t)."""
-    write_drafter(tmp_path / "d", "speculators", Spec(qwen3=True, fc_norm=True))
+    """Catches a tensor lost, renamed or altered between a checkpoint and the module (incl. W_up/W_down, d2t, a
+    second decoder layer)."""
+    write_drafter(tmp_path / "d", "speculators", Spec(qwen3=True, fc_norm=True, layers=2))
     ckpt = load_drafter(tmp_path / "d")
+    assert "layers.1.self_attn.q_norm.weight" in ckpt.tensors
     if lowrank:
         ckpt.tensors["lm_head.weight"] = torch.randn(97, 5)
         ckpt.tensors["lm_head_down.weight"] = torch.randn(5, 32)
@@ -257,6 +259,51 @@ def test_layer_matches_float64_hand_reference(qwen3, norm_before_residual, heads
                                atol=1e-10)
 
 
+def _later_layer_by_hand(layer, x: torch.Tensor, pos: torch.Tensor, cfg: DrafterConfig) -> torch.Tensor:
+    """A later decoder layer in float64: x + attn(norm(x)), then + mlp(norm(.)), causal, explicit GQA."""
+    eps, hd, nh, nkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    xn = _rms(x, layer.input_layernorm.weight, eps)
+    b, t, _ = x.shape
+    q = (xn @ layer.self_attn.q_proj.weight.T).view(b, t, nh, hd)
+    k = (xn @ layer.self_attn.k_proj.weight.T).view(b, t, nkv, hd)
+    v = (xn @ layer.self_attn.v_proj.weight.T).view(b, t, nkv, hd)
+    if cfg.model_type == "qwen3":
+        q, k = _rms(q, layer.self_attn.q_norm.weight, eps), _rms(k, layer.self_attn.k_norm.weight, eps)
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    q, k = _rope_by_hand(q, pos, inv_freq), _rope_by_hand(k, pos, inv_freq)
+    out = torch.zeros(b, t, nh, hd, dtype=torch.float64)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    for head in range(nh):
+        kv = head // (nh // nkv)
+        scores = q[:, :, head] @ k[:, :, kv].transpose(1, 2) / math.sqrt(hd) + torch.where(causal, 0.0, float("-inf"))
+        out[:, :, head] = torch.softmax(scores, dim=-1) @ v[:, :, kv]
+    h = x + out.reshape(b, t, nh * hd) @ layer.self_attn.o_proj.weight.T
+    m = layer.mlp
+    hn = _rms(h, layer.post_attention_layernorm.weight, eps)
+    return h + (torch.nn.functional.silu(hn @ m.gate_proj.weight.T) * (hn @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+
+
+@pytest.mark.parametrize("qwen3", [False, True])
+def test_multi_layer_drafter_matches_float64_hand_reference(qwen3):
+    """Catches a later decoder layer (layers.{i}, over the hidden state alone) wired wrong: its input (the previous
+    layer's full output), its residuals and norms, its attention width, and its own slice of the KV cache."""
+    cfg = _config(model_type="qwen3" if qwen3 else "llama", num_layers=3, num_attention_heads=6,
+                  num_key_value_heads=2)
+    model = _random_drafter(cfg)
+    ids, aux = _inputs(cfg, 2, 7, 0)
+    g = model.combine(aux)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [3, 4, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        h, (k, v) = model(ids, g, pos)
+        ref = _layer_by_hand(model, ids, g, pos, torch.ones(7, 7, dtype=torch.bool).tril())
+        for name in ("1", "2"):
+            ref = _later_layer_by_hand(model.layers[name], ref, pos, cfg)
+    torch.testing.assert_close(h, ref, rtol=1e-10, atol=1e-10)
+    assert k.shape == (2, 3 * 2, 7, 10) and v.shape == (2, 3 * 2, 7, 10)
+    assert set(model.canonical_state_dict()) >= {"layers.1.mlp.down_proj.weight", "layers.2.input_layernorm.weight"}
+    assert not any(name.startswith("layers.1.hidden_norm") for name in model.state_dict())
+
+
 def test_combine_norms_by_hand():
     """Catches fc_norm applied to the wrong chunks, input_norm over the wrong width, or fc before the norms."""
     for kw in ({"fc_norm": True}, {"norm_before_fc": True}, {}):
@@ -317,9 +364,11 @@ def test_unsupported_rope_scaling_raises():
 # ---------------------------------------------------------------------------------- cache and TTT
 
 
-def test_cached_prefill_in_chunks_equals_one_pass():
-    """Catches a KV cache that loses keys, repeats RoPE, or masks cached positions."""
-    cfg = _config(model_type="qwen3")
+@pytest.mark.parametrize("layers", [1, 3])
+def test_cached_prefill_in_chunks_equals_one_pass(layers):
+    """Catches a KV cache that loses keys, repeats RoPE, masks cached positions, or hands one layer's cached
+    keys to another."""
+    cfg = _config(model_type="qwen3", num_layers=layers)
     model = _random_drafter(cfg)
     ids, aux = _inputs(cfg, 2, 9, 0)
     g = model.combine(aux)
@@ -329,13 +378,14 @@ def test_cached_prefill_in_chunks_equals_one_pass():
         b, cache = model(ids[:, 4:8], g[:, 4:8], past_key_values=cache)
         c, cache = model(ids[:, 8:], g[:, 8:], past_key_values=cache)
     torch.testing.assert_close(torch.cat([a, b, c], 1), full, rtol=1e-12, atol=1e-12)
-    assert cache[0].shape[2] == 9
+    assert cache[0].shape[1:3] == (layers * cfg.num_key_value_heads, 9)
 
 
 @pytest.mark.parametrize("variant", [
     {},
     {"norm_output": True},
     {"norm_before_residual": True, "model_type": "qwen3", "fc_norm": True},
+    {"num_layers": 2, "norm_output": True},
 ])
 def test_ttt_step_equals_cached_draft_chain(variant):
     """Catches training and inference disagreeing: TTT step i at position t must equal the chain a speculative

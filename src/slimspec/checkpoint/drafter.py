@@ -1,7 +1,8 @@
 """Read every published EAGLE-3 drafter layout into one canonical in-memory form.
 
 Canonical tensor names follow the EAGLE reference (``fc.weight``, ``midlayer.*``, ``norm.weight``,
-``lm_head.weight``, ``d2t``), whatever the source called them. ``d2t[i]`` is an offset:
+``lm_head.weight``, ``d2t``), whatever the source called them; a drafter with more decoder layers (speculators
+trains them; vLLM serves them) keeps layers 1, 2, ... under vLLM's names ``layers.{i}.*``. ``d2t[i]`` is an offset:
 draft token ``i`` is target token ``i + d2t[i]`` (true for every format, frequency-ordered ones too).
 """
 
@@ -20,7 +21,7 @@ from slimspec.errors import CheckpointError
 LAYOUTS = ("eagle", "specforge", "speculators", "modelopt", "angelslim", "slimspec")
 LOWRANK_DOWN = "lm_head_down.weight"  # SlimSpec: lm_head.weight is W_up [V, r], this is W_down [r, d]
 
-# Tensors of the single EAGLE-3 decoder layer (after the prefix), required unless marked optional.
+# Tensors of the EAGLE-3 decoder layer (after the prefix), required unless marked optional.
 LAYER_TENSORS = (
     "input_layernorm.weight",
     "hidden_norm.weight",
@@ -35,7 +36,14 @@ LAYER_TENSORS = (
 )
 OPTIONAL_LAYER_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
-EXTRA_LAYER = re.compile(r"(^|\.)layers\.[1-9][0-9]*\.")
+# Layers 1, 2, ... are plain decoder layers over the hidden state alone: no hidden_norm (vLLM builds one, unused).
+LATER_LAYER_TENSORS = tuple(n for n in LAYER_TENSORS if n != "hidden_norm.weight")
+LATER_LAYER = re.compile(r"^layers\.([1-9][0-9]*)\.(.+)$")
+
+
+def layer_prefix(index: int) -> str:
+    """The canonical prefix of decoder layer ``index``: ``midlayer.`` for the first, ``layers.{i}.`` after it."""
+    return "midlayer." if index == 0 else f"layers.{index}."
 
 
 @dataclass
@@ -63,6 +71,7 @@ class DrafterConfig:
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
+    num_layers: int = 1  # decoder layers: the EAGLE-3 layer, then plain ones over the hidden state (vLLM's layer_idx)
     target_model: str | None = None  # the verifier named in the config, if any
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -177,16 +186,17 @@ def detect_layout(raw: dict[str, Any], names: set[str]) -> str:
 
 def _canonical_name(name: str) -> str | None:
     """Map a source tensor name to its canonical name, or None for a stray tensor."""
-    if name.startswith("model.") and not name.startswith("model.layers"):
-        name = name[len("model."):]
-    elif name.startswith("model.layers.0."):
-        name = name[len("model."):]
+    name = name.removeprefix("model.")
     for prefix in LAYER_PREFIXES:
         if name.startswith(prefix):
             rest = name[len(prefix):]
             if rest in LAYER_TENSORS or rest in OPTIONAL_LAYER_TENSORS:
                 return "midlayer." + rest
             return None
+    later = LATER_LAYER.match(name)
+    if later:
+        rest = later.group(2)
+        return name if rest in LATER_LAYER_TENSORS or rest in OPTIONAL_LAYER_TENSORS else None
     if name in ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
                 "input_norm.weight", LOWRANK_DOWN):
         return name
@@ -252,6 +262,13 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
              "vocab_size", "draft_vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
              "max_position_embeddings", "hidden_act", "model_type", "architectures", "torch_dtype", "dtype"}
     rope_theta, rope_scaling = rope_of(layer)
+    num_layers = decoder_layer_count(tensors)
+    declared = layer.get("num_hidden_layers")
+    # One layer of weights is read as the EAGLE reference reads it, whatever the config says (yuhuili's
+    # EAGLE3-Vicuna1.3-13B declares 40); several must match the config, which is what vLLM builds.
+    if num_layers > 1 and declared is not None and int(declared) != num_layers:
+        raise CheckpointError(f"the config declares num_hidden_layers={declared} but the weights hold {num_layers} "
+                              "decoder layers")
     return DrafterConfig(
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -274,9 +291,16 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
         norm_before_fc=flag("norm_before_fc", False),
         fc_norm=flag("fc_norm", any(k.startswith("fc_norm.") for k in tensors)),
         norm_output=flag("norm_output", False),
+        num_layers=num_layers,
         target_model=target_model,
         extra={k: v for k, v in layer.items() if k not in known and isinstance(v, (int, float, str, bool))},
     )
+
+
+def decoder_layer_count(tensors: dict[str, Any]) -> int:
+    """How many decoder layers canonical ``tensors`` hold (``midlayer.*`` and ``layers.{i}.*``)."""
+    later = {int(m.group(1)) for name in tensors if (m := LATER_LAYER.match(name))}
+    return 1 + max(later, default=0)
 
 
 def rope_of(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -314,6 +338,12 @@ def _check_shapes(cfg: DrafterConfig, t: dict[str, torch.Tensor], where: Path) -
         if "lm_head.weight" not in t or t[LOWRANK_DOWN].dim() != 2:
             raise CheckpointError(f"{where}: a low-rank head needs lm_head.weight and {LOWRANK_DOWN}")
         expected["lm_head.weight"] = (cfg.draft_vocab_size, t[LOWRANK_DOWN].shape[0])
+    for i in range(1, cfg.num_layers):  # later layers read the hidden state alone
+        p = layer_prefix(i)
+        expected.update({p + name.removeprefix("midlayer."): shape for name, shape in expected.items()
+                         if name.startswith("midlayer.") and "hidden_norm" not in name})
+        for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+            expected[p + name] = (expected[p + name][0], h)
     for name, shape in expected.items():
         if name in t and tuple(t[name].shape) != shape:
             raise CheckpointError(
@@ -343,12 +373,9 @@ def load_drafter(folder: str | Path) -> DrafterCheckpoint:
     dropped: list[str] = []
     for name in files:
         canon = _canonical_name(name)
-        if EXTRA_LAYER.search(name):
-            raise CheckpointError(f"{folder}: tensor {name!r}: a drafter with more than one decoder layer is not "
-                                  "supported (EAGLE-3 drafters have one; the others would be dropped)")
         if name.endswith("lm_head.bias"):
             raise CheckpointError(f"{folder}: {name!r}: an LM head with a bias is not supported")
-        if canon is None and name.endswith(".bias") and any(p in name for p in LAYER_PREFIXES):
+        if canon is None and name.endswith(".bias") and ("midlayer." in name or "layers." in name):
             raise CheckpointError(f"{folder}: layer tensor {name!r}: a decoder layer with biases (e.g. Qwen2-style "
                                   "attention) is not supported; only Llama- and Qwen3-style EAGLE-3 layers are")
         if canon is None:
@@ -357,10 +384,21 @@ def load_drafter(folder: str | Path) -> DrafterCheckpoint:
             raise CheckpointError(f"{folder}: tensors {mapping[canon]!r} and {name!r} both map to {canon!r}")
         else:
             mapping[canon] = name
-    if ("midlayer.self_attn.q_norm.weight" in mapping) != ("midlayer.self_attn.k_norm.weight" in mapping):
+    layers = decoder_layer_count(mapping)
+    qk = [tuple(layer_prefix(i) + f"self_attn.{n}_norm.weight" in mapping for n in "qk") for i in range(layers)]
+    if any(q != k for q, k in qk):
         raise CheckpointError(f"{folder}: a Qwen3-style layer needs both self_attn.q_norm and self_attn.k_norm")
+    if len(set(qk)) > 1:
+        raise CheckpointError(f"{folder}: some decoder layers have Qwen3 q/k norms and others do not")
     missing = [n for n in ("fc.weight", "norm.weight") if n not in mapping]
     missing += ["midlayer." + n for n in LAYER_TENSORS if "midlayer." + n not in mapping]
+    if not missing:
+        for i in range(1, layers):
+            lacking = [n for n in LATER_LAYER_TENSORS if layer_prefix(i) + n not in mapping]
+            if lacking:
+                raise CheckpointError(f"{folder}: decoder layer {i} of {layers} lacks {', '.join(lacking[:3])}"
+                                      f"{' and more' if len(lacking) > 3 else ''} (the weights name layers up to "
+                                      f"layers.{layers - 1}.*)")
     if missing:
         raise CheckpointError(
             f"{folder}: not an EAGLE-3 drafter (missing {', '.join(missing[:3])}"
