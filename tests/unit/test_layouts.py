@@ -103,7 +103,7 @@ def _edit_config(folder, **changes):
 
 def test_layer_count_follows_the_weights_and_must_match_a_multi_layer_config(tmp_path):
     """Catches trusting the config's num_hidden_layers over the weights: one layer of weights is one layer (as the
-    EAGLE reference reads yuhuili's EAGLE3-Vicuna1.3-13B, whose config says 40), but several layers of weights
+    EAGLE reference reads it; 40 is reported for yuhuili's EAGLE3-Vicuna1.3-13B), but several layers of weights
     with another declared count are refused (vLLM would build the config's count)."""
     write_drafter(tmp_path / "one", "eagle", Spec())
     _edit_config(tmp_path / "one", num_hidden_layers=40)

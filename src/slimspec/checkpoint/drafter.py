@@ -264,8 +264,9 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
     rope_theta, rope_scaling = rope_of(layer)
     num_layers = decoder_layer_count(tensors)
     declared = layer.get("num_hidden_layers")
-    # One layer of weights is read as the EAGLE reference reads it, whatever the config says (yuhuili's
-    # EAGLE3-Vicuna1.3-13B declares 40); several must match the config, which is what vLLM builds.
+    # One layer of weights is read as the EAGLE reference reads it, whatever the config says (some copy the
+    # target's count: 40 is reported for yuhuili's EAGLE3-Vicuna1.3-13B); several must match the config, which is
+    # what vLLM builds.
     if num_layers > 1 and declared is not None and int(declared) != num_layers:
         raise CheckpointError(f"the config declares num_hidden_layers={declared} but the weights hold {num_layers} "
                               "decoder layers")
