@@ -30,8 +30,8 @@ from torch import Tensor, nn
 
 from slimspec.checkpoint.drafter import LOWRANK_DOWN, DrafterCheckpoint, DrafterConfig
 
-# (keys, values), each [B, kv_heads, S, head_dim], RoPE already applied; a multi-layer drafter's stacks its
-# layers' heads: [B, layers * kv_heads, S, head_dim], so cropping and lengths read dim 2 alike
+# (keys, values), each [B, kv_heads, S, head_dim], RoPE already applied; a multi-layer drafter's cache stacks its
+# layers' kv heads on dim 1, [B, layers * kv_heads, S, head_dim], so cropping and lengths read dim 2 alike
 KVCache = tuple[Tensor, Tensor]
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
