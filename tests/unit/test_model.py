@@ -202,20 +202,16 @@ def _rope_by_hand(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) ->
     return torch.cat([a * ang.cos() - b * ang.sin(), b * ang.cos() + a * ang.sin()], dim=-1)
 
 
-def _layer_by_hand(model: Eagle3Drafter, ids: torch.Tensor, g: torch.Tensor, pos: torch.Tensor,
-                   allowed: torch.Tensor) -> torch.Tensor:
-    """The EAGLE-3 layer in float64, written out: softmax(QK^T/sqrt(hd) + mask)V with explicit GQA."""
-    cfg, L = model.config, model.midlayer
+def _attention_by_hand(attn, x: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor,
+                       cfg: DrafterConfig) -> torch.Tensor:
+    """A layer's attention in float64, written out: softmax(QK^T/sqrt(hd) + mask)V with explicit GQA, then o_proj."""
     eps, hd, nh, nkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    emb = model.embed_weight[ids]
-    gn = _rms(g, L.hidden_norm.weight, eps)
-    x = torch.cat([_rms(emb, L.input_layernorm.weight, eps), gn], dim=-1)
     b, t, _ = x.shape
-    q = (x @ L.self_attn.q_proj.weight.T).view(b, t, nh, hd)
-    k = (x @ L.self_attn.k_proj.weight.T).view(b, t, nkv, hd)
-    v = (x @ L.self_attn.v_proj.weight.T).view(b, t, nkv, hd)
+    q = (x @ attn.q_proj.weight.T).view(b, t, nh, hd)
+    k = (x @ attn.k_proj.weight.T).view(b, t, nkv, hd)
+    v = (x @ attn.v_proj.weight.T).view(b, t, nkv, hd)
     if cfg.model_type == "qwen3":
-        q, k = _rms(q, L.self_attn.q_norm.weight, eps), _rms(k, L.self_attn.k_norm.weight, eps)
+        q, k = _rms(q, attn.q_norm.weight, eps), _rms(k, attn.k_norm.weight, eps)
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     q, k = _rope_by_hand(q, pos, inv_freq), _rope_by_hand(k, pos, inv_freq)
     out = torch.zeros(b, t, nh, hd, dtype=torch.float64)
@@ -224,11 +220,23 @@ def _layer_by_hand(model: Eagle3Drafter, ids: torch.Tensor, g: torch.Tensor, pos
         scores = q[:, :, head] @ k[:, :, kv].transpose(1, 2) / math.sqrt(hd)
         scores = scores + torch.where(allowed, 0.0, float("-inf"))
         out[:, :, head] = torch.softmax(scores, dim=-1) @ v[:, :, kv]
-    attn = out.reshape(b, t, nh * hd) @ L.self_attn.o_proj.weight.T
-    h = (gn if cfg.norm_before_residual else g) + attn
-    m = L.mlp
-    hn = _rms(h, L.post_attention_layernorm.weight, eps)
+    return out.reshape(b, t, nh * hd) @ attn.o_proj.weight.T
+
+
+def _mlp_by_hand(layer, h: torch.Tensor, eps: float) -> torch.Tensor:
+    """h + SwiGLU MLP of post_attention_layernorm(h)."""
+    m, hn = layer.mlp, _rms(h, layer.post_attention_layernorm.weight, eps)
     return h + (torch.nn.functional.silu(hn @ m.gate_proj.weight.T) * (hn @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+
+
+def _layer_by_hand(model: Eagle3Drafter, ids: torch.Tensor, g: torch.Tensor, pos: torch.Tensor,
+                   allowed: torch.Tensor) -> torch.Tensor:
+    """The EAGLE-3 layer in float64: attention over [norm(embedding), hidden_norm(g)], residual g or its norm."""
+    cfg, L = model.config, model.midlayer
+    gn = _rms(g, L.hidden_norm.weight, cfg.rms_norm_eps)
+    x = torch.cat([_rms(model.embed_weight[ids], L.input_layernorm.weight, cfg.rms_norm_eps), gn], dim=-1)
+    h = (gn if cfg.norm_before_residual else g) + _attention_by_hand(L.self_attn, x, pos, allowed, cfg)
+    return _mlp_by_hand(L, h, cfg.rms_norm_eps)
 
 
 @pytest.mark.parametrize("heads", [(3, 1), (6, 2)])
@@ -260,27 +268,11 @@ def test_layer_matches_float64_hand_reference(qwen3, norm_before_residual, heads
 
 
 def _later_layer_by_hand(layer, x: torch.Tensor, pos: torch.Tensor, cfg: DrafterConfig) -> torch.Tensor:
-    """A later decoder layer in float64: x + attn(norm(x)), then + mlp(norm(.)), causal, explicit GQA."""
-    eps, hd, nh, nkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    xn = _rms(x, layer.input_layernorm.weight, eps)
-    b, t, _ = x.shape
-    q = (xn @ layer.self_attn.q_proj.weight.T).view(b, t, nh, hd)
-    k = (xn @ layer.self_attn.k_proj.weight.T).view(b, t, nkv, hd)
-    v = (xn @ layer.self_attn.v_proj.weight.T).view(b, t, nkv, hd)
-    if cfg.model_type == "qwen3":
-        q, k = _rms(q, layer.self_attn.q_norm.weight, eps), _rms(k, layer.self_attn.k_norm.weight, eps)
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    q, k = _rope_by_hand(q, pos, inv_freq), _rope_by_hand(k, pos, inv_freq)
-    out = torch.zeros(b, t, nh, hd, dtype=torch.float64)
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    for head in range(nh):
-        kv = head // (nh // nkv)
-        scores = q[:, :, head] @ k[:, :, kv].transpose(1, 2) / math.sqrt(hd) + torch.where(causal, 0.0, float("-inf"))
-        out[:, :, head] = torch.softmax(scores, dim=-1) @ v[:, :, kv]
-    h = x + out.reshape(b, t, nh * hd) @ layer.self_attn.o_proj.weight.T
-    m = layer.mlp
-    hn = _rms(h, layer.post_attention_layernorm.weight, eps)
-    return h + (torch.nn.functional.silu(hn @ m.gate_proj.weight.T) * (hn @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    """A later decoder layer in float64: x + attn(norm(x)), then + mlp(norm(.)), causal."""
+    causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+    h = x + _attention_by_hand(layer.self_attn, _rms(x, layer.input_layernorm.weight, cfg.rms_norm_eps), pos,
+                               causal, cfg)
+    return _mlp_by_hand(layer, h, cfg.rms_norm_eps)
 
 
 @pytest.mark.parametrize("qwen3", [False, True])
