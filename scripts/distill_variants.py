@@ -210,8 +210,7 @@ def tied_up(distill_drafter):
             up, down = balance_factors(head.up.float(), head.down.float())
             basis = torch.linalg.svd(teacher_head[:, :-1].float(), full_matrices=False)[0]
         drafter.lm_head = TiedUpHead(basis.to(up.device), up, down)
-        result = distill_drafter(drafter, teacher, teacher_head, cfg, **kwargs)
-        return result
+        return distill_drafter(drafter, teacher, teacher_head, cfg, **kwargs)
 
     return run
 
