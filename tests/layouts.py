@@ -29,6 +29,7 @@ class Spec:
     norm_before_fc: bool = False
     no_head: bool = False
     layers: int = 1  # decoder layers; layers 1.. are written as layers.{i}.* (speculators' and vLLM's names)
+    parallel_token: int | None = None  # a P-EAGLE drafter: mask_hidden and its mask-slot token
     sharded: bool = False
     seed: int = 0
     extra_config: dict = field(default_factory=dict)
@@ -76,6 +77,8 @@ def canonical_tensors(spec: Spec) -> dict[str, torch.Tensor]:
         if spec.qwen3:
             t[p + "self_attn.q_norm.weight"] = norm(spec.hd)
             t[p + "self_attn.k_norm.weight"] = norm(spec.hd)
+    if spec.parallel_token is not None:
+        t["mask_hidden"] = rnd(1, 3 * spec.target_hidden)
     if spec.fc_norm:
         for i in range(3):
             t[f"fc_norm.{i}.weight"] = norm(spec.target_hidden)
@@ -135,6 +138,8 @@ def write_drafter(folder: Path, layout: str, spec: Spec | None = None) -> dict[s
     L = spec.target_layers
     if layout == "eagle":
         cfg.update(architectures=["LlamaForCausalLM"], draft_vocab_size=vd, torch_dtype="float16")
+        if "mask_hidden" in t:  # vLLM views it as one row whatever its shape: write it flat here
+            t["mask_hidden"] = t["mask_hidden"].flatten()
         stray = {"midlayer.self_attn.rotary_emb.inv_freq": torch.ones(spec.hd // 2)}
         torch.save({**t, **stray}, folder / "pytorch_model.bin")
     elif layout == "specforge":
@@ -174,6 +179,11 @@ def write_drafter(folder: Path, layout: str, spec: Spec | None = None) -> dict[s
         torch.save(t, folder / "pytorch_model.bin")
     else:
         raise ValueError(layout)
+    if spec.parallel_token is not None:  # speculators' "peagle" names it mask_token_id, AWS's P-EAGLE ptd_token_id
+        if layout == "speculators":
+            cfg.update(speculators_model_type="peagle", mask_token_id=spec.parallel_token)
+        else:
+            cfg["ptd_token_id"] = spec.parallel_token
     cfg.update(spec.extra_config)
     (folder / "config.json").write_text(json.dumps(cfg))
     return t

@@ -639,6 +639,9 @@ def inspect(drafter: str, target: str | None, plot: Path | None, as_json: bool) 
                f"{cfg['num_attention_heads']} heads x {cfg['head_dim']}, {cfg['model_type']}{layers})")
     click.echo(f"draft vocab    {info['draft_vocab_size']} of {info['vocab_size']} "
                f"({100 * info['vocab_coverage']:.1f}% of the target vocabulary)")
+    if cfg["parallel_token_id"] is not None:
+        click.echo(f"drafting       parallel (P-EAGLE: mask_hidden, mask-slot token {cfg['parallel_token_id']}; "
+                   "serve with parallel_drafting)")
     if info["dropped_tensors"]:
         click.echo(f"ignored        {', '.join(info['dropped_tensors'])}")
     click.echo("tensors")

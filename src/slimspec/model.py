@@ -12,6 +12,11 @@ Alignment (DESIGN.md §4): at position ``t`` the drafter sees target features ``
 of token ``x_{t+1}`` with RoPE position ``t``, and predicts ``x_{t+2}``. Draft step ``i`` (0-based) at
 position ``t`` sees token ``x_{t+1+i}`` at RoPE position ``t+i`` and predicts ``x_{t+2+i}``.
 
+A P-EAGLE drafter (``config.parallel_token_id`` set, a ``mask_hidden`` parameter) drafts its K tokens in one pass
+(vLLM's ``parallel_drafting``): after the last real position come K-1 masked slots at the next RoPE positions, each
+fed the token ``parallel_token_id`` and ``combine(mask_hidden)`` in place of target features; slot j predicts the
+token a chain's step j would.
+
 Module names follow the canonical tensor names (``fc``, ``fc_norm.{i}``, ``input_norm``, ``midlayer.*``,
 ``layers.{i}.*`` for the later layers of a multi-layer drafter, ``norm``), so
 :meth:`Eagle3Drafter.canonical_state_dict` is the module's own state plus the head's canonical names
@@ -287,6 +292,8 @@ class Eagle3Drafter(nn.Module):
         self.input_norm = RMSNorm(n * ht, cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.fc_norm = nn.ModuleList(RMSNorm(ht, cfg.rms_norm_eps) for _ in range(n)) if cfg.fc_norm else None
         self.fc = nn.Linear(n * ht, cfg.hidden_size, bias=False)
+        if cfg.parallel_token_id is not None:  # P-EAGLE: the masked slots' stand-in for the target features
+            self.mask_hidden = nn.Parameter(torch.zeros(1, n * ht))
         self.midlayer = Eagle3Layer(cfg)
         # layers 1, 2, ... of a multi-layer drafter (state-dict names layers.{i}.*, as vLLM's); empty for one layer
         self.layers = nn.ModuleDict({str(i): Eagle3DecoderLayer(cfg) for i in range(1, cfg.num_layers)})
@@ -385,6 +392,18 @@ class Eagle3Drafter(nn.Module):
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return self.fc(aux)
 
+    @property
+    def is_parallel(self) -> bool:
+        """A P-EAGLE drafter (see the module docstring)."""
+        return self.config.parallel_token_id is not None
+
+    def masked_slots(self, b: int, t: int) -> tuple[Tensor, Tensor]:
+        """(embeddings, hidden) [B, T, H] of P-EAGLE masked slots: the mask token's embedding, combine(mask_hidden)."""
+        if not self.is_parallel:
+            raise ValueError("this drafter has no masked slots (not a P-EAGLE drafter)")
+        token = torch.full((b, t), self.config.parallel_token_id, dtype=torch.long, device=self.fc.weight.device)
+        return self.embed(token), self.combine(self.mask_hidden).expand(b, t, -1)
+
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [B, T, head_dim] for integer ``positions`` [B, T]; angles in float32 (as HF and vLLM) or
         float64 for a float64 model."""
@@ -458,7 +477,9 @@ class Eagle3Drafter(nn.Module):
         0..T-1). Step i >= 1: hidden ``next_hidden`` of step i-1 at t, token x_{t+1+i}, RoPE position t+i.
         Step i at position t predicts **x_{t+2+i}** (its teacher is the target's distribution at t+1+i).
         Step i's query at t attends causally to step-0 keys at positions <= t plus the keys of steps 1..i at
-        position t only -- exactly what a cached draft chain at inference sees.
+        position t only -- exactly what a cached draft chain at inference sees. A P-EAGLE drafter's steps i >= 1 are
+        its masked slots instead (token and hidden from ``masked_slots``, same positions and mask): what one parallel
+        draft pass at inference sees.
         """
         emb = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         b, t, _ = aux.shape
@@ -472,10 +493,12 @@ class Eagle3Drafter(nn.Module):
         hidden = self.combine(aux)
         cache: KVCache | None = None
         outputs: list[Tensor] = []
+        slots = self.masked_slots(b, t) if self.is_parallel and steps > 1 else None
         for i in range(steps):
             mask = torch.cat([causal] + [diag] * i, dim=1).unsqueeze(0)  # [1, T, (i+1)T]
-            h, cache = self.forward(inputs_embeds=emb[:, 1 + i:1 + i + t], hidden=hidden, positions=positions + i,
+            step_emb = emb[:, 1 + i:1 + i + t] if i == 0 or slots is None else slots[0]
+            h, cache = self.forward(inputs_embeds=step_emb, hidden=hidden, positions=positions + i,
                                     past_key_values=cache, attention_mask=mask)
             outputs.append(h)
-            hidden = self.next_hidden(h)
+            hidden = self.next_hidden(h) if slots is None else slots[1]
         return outputs

@@ -469,3 +469,51 @@ def test_multi_layer_drafter_is_served_as_the_reference_decoder_runs_it(target, 
         assert report["tau"] > 1.1 and abs(report["tau"] - ours) <= 0.02
         if drafter == source:
             assert abs(ours - one_layer) >= 0.05, "the second layer should change which drafts are accepted"
+
+
+def _parallel_drafter(folder: Path, token: int = 2) -> Path:
+    """The embedded drafter as a P-EAGLE drafter: a random ``mask_hidden`` (one row of target features; N(0, 1),
+    the scale of the features fc reads) and ``ptd_token_id`` (AWS's key), as ``amazon/GPT-OSS-20B-P-EAGLE``."""
+    source = Path(embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False))
+    shutil.copytree(source, folder)
+    tensors = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    config = json.loads((folder / "config.json").read_text())
+    width = 3 * config["target_hidden_size"]
+    tensors["mask_hidden"] = torch.randn(1, width, generator=torch.Generator().manual_seed(0)).half()
+    torch.save(tensors, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps({**config, "ptd_token_id": token}))
+    return folder
+
+
+def test_parallel_drafter_is_served_as_the_reference_decoder_runs_it(target, baseline, tmp_path):
+    """A P-EAGLE drafter before conversion (vLLM's EAGLE-3 class with parallel_drafting) and after (the plugin, SVD at
+    rank 432 over the draft vocabulary): vLLM must accept at each draft position exactly what the reference decoder's
+    one-pass drafts get accepted (they agreed on every count: 72 of 181 rounds at position 1, none after, for the
+    source; the same drafter drafted as a chain gets ~1.5), keep the greedy output and serve the converted head.
+    Catches a conversion that drops mask_hidden or its token (vLLM then refuses parallel drafting), a reference
+    decoder that drafts a P-EAGLE drafter as a chain, and ``evaluate_vllm`` not asking vLLM for parallel drafting."""
+    from slimspec.evaluate.acceptance import evaluate
+
+    source = _parallel_drafter(tmp_path / "p-eagle")
+    converted = slimspec.convert(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
+                                 out=tmp_path / "converted", progress=False).out
+    prompts = _prompts()[:4]
+    chain = _check(target, drafter=source, prompts=prompts)
+    for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):
+        report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head", "--parallel-drafting"])
+        assert report["ok"], report
+        assert report["draft_model_class"] == served_class
+        assert report["outputs"] == baseline["outputs"][:len(prompts)], "speculation changed the greedy output"
+        _head_ok(report)
+        ours = evaluate(str(drafter), embedded.EMBEDDED_TARGET, num_prompts=len(prompts), max_new_tokens=MAX_NEW_TOKENS,
+                        draft_tokens=DRAFT_TOKENS, progress=False)
+        spec = report["spec_decode"]
+        print(f"\n[vllm] P-EAGLE {drafter.name}: vLLM tau {report['tau']:.4f} {spec['accepted_per_pos']} in "
+              f"{spec['num_drafts']} rounds, reference {ours['tau']:.4f} {ours['acceptance_per_position']} in "
+              f"{ours['rounds']}; as a chain in vLLM: {chain['tau']:.4f}")
+        assert spec["num_drafts"] == ours["rounds"]
+        assert spec["accepted_per_pos"] == [round(a * ours["rounds"]) for a in ours["acceptance_per_position"]]
+        assert report["tau"] > 1.2 and chain["tau"] - report["tau"] > 0.05
+    served = evaluate_vllm(converted, target, prompts=prompts, max_new_tokens=MAX_NEW_TOKENS,
+                           draft_tokens=DRAFT_TOKENS, temperature=0.0)
+    assert served["tau"] == report["tau"], "evaluate_vllm did not draft the P-EAGLE drafter in one pass"

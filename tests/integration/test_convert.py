@@ -144,6 +144,11 @@ def test_inspect_shows_a_multi_layer_drafter(tmp_path):
     assert "llama, 3 decoder layers)" in result.stdout and "layers.2.mlp.down_proj.weight" in result.stdout
     one = CliRunner().invoke(main, ["inspect", str(tmp_path / "d"), "--json"])
     assert json.loads(one.stdout)["config"]["num_layers"] == 3
+    assert "drafting" not in result.stdout
+    write_drafter(tmp_path / "p", "eagle", Spec(parallel_token=5))  # says a P-EAGLE drafter needs parallel drafting
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "p")])
+    assert "drafting       parallel (P-EAGLE: mask_hidden, mask-slot token 5; serve with parallel_drafting)" in (
+        result.stdout), result.output
 
 
 def _head(tmp_path):

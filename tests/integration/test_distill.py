@@ -136,15 +136,19 @@ def test_convert_with_whitened_init_and_distill(tiny_converted, tiny_target, tmp
     assert f"| held-out top-1 agreement with the target | {d['top1_before']:.4f} -> {d['top1_after']:.4f} |" in card
 
 
-def test_multi_layer_drafter_converts_distils_and_keeps_its_layers(tiny_target, tmp_path):
+@pytest.mark.parametrize("parallel", [False, True], ids=["chain", "p-eagle"])
+def test_multi_layer_drafter_converts_distils_and_keeps_its_layers(tiny_target, tmp_path, parallel):
     """Catches a multi-layer drafter (speculators layout, 2 decoder layers) losing a layer in conversion: the
     output must declare and carry both (vLLM builds num_hidden_layers of them), its backbone must compute exactly
-    the source's states, and the whitened start and the distillation must run through both layers."""
+    the source's states, and the whitened start and the distillation must run through both layers. As a P-EAGLE
+    drafter (speculators' peagle), the output must keep mask_hidden and name its mask-slot token (vLLM's parallel
+    drafting needs both), and its card must serve it with parallel_drafting."""
     from slimspec.checkpoint import load_drafter
     from slimspec.model import Eagle3Drafter
 
     source = tmp_path / "drafter"
     write_drafter(source, "speculators", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32, layers=2,
+                                              parallel_token=7 if parallel else None,
                                               extra_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))
     res = slimspec.convert(str(source), str(tiny_target), 8, vocab="draft", out=tmp_path / "o", init="whitened",
                            distill_steps=10, data_options=FEW, progress=False,
@@ -155,6 +159,12 @@ def test_multi_layer_drafter_converts_distils_and_keeps_its_layers(tiny_target, 
     assert out.config.num_layers == 2
     later = {k for k in src.tensors if k.startswith("layers.1.")}
     assert len(later) == 9 and all(torch.equal(out.tensors[k], src.tensors[k]) for k in later)
+    assert out.config.parallel_token_id == (7 if parallel else None)
+    assert ("mask_hidden" in out.tensors) == parallel and ('"parallel_drafting":true' in
+                                                         (res.out / "README.md").read_text()) == parallel
+    if parallel:
+        assert torch.equal(out.tensors["mask_hidden"], src.tensors["mask_hidden"])
+        assert json.loads((res.out / "config.json").read_text())["ptd_token_id"] == 7
     embed = torch.randn(49152, 32, generator=torch.Generator().manual_seed(0))
     ids = torch.randint(0, 49152, (1, 9), generator=torch.Generator().manual_seed(1))
     aux = torch.randn(1, 6, 96, generator=torch.Generator().manual_seed(2))

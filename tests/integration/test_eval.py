@@ -57,6 +57,42 @@ def test_greedy_is_token_identical_to_target(tiny_target, tmp_path):
             assert -1e-9 <= gap <= k / stats.rounds + 1e-9, (gap, stats)
 
 
+def test_parallel_drafter_is_lossless_and_drafts_in_one_pass(tiny_target, tmp_path, monkeypatch):
+    """Catches a P-EAGLE drafter decoded as a chain (or with masked slots at the wrong positions, with the wrong
+    token or hidden state, or left in the drafter's cache for the next round): every round's K drafts must be the
+    argmaxes of ONE causal pass over the real positions and K-1 masked slots (vLLM's parallel_drafting), and the
+    greedy output must still equal the target's."""
+    from slimspec.distill.teacher import load_target_model
+
+    target, _ = load_target_model(tiny_target)
+    write_drafter(tmp_path / "d", "eagle", Spec(vocab=target.config.vocab_size, draft_vocab=512, parallel_token=11))
+    drafter = Eagle3Drafter.from_checkpoint(load_drafter(tmp_path / "d"),
+                                            embed_weight=target.model.embed_tokens.weight.detach())
+    assert drafter.is_parallel
+    k, prompt = 3, [1, 9690, 198, 2683]
+    seen = []
+    verify = SpeculativeDecoder._verify
+    monkeypatch.setattr(SpeculativeDecoder, "_verify", lambda self, d, q, logits: seen.append(d) or verify(
+        self, d, q, logits))
+    decoder = SpeculativeDecoder(target, drafter, (1, 2, 3), draft_tokens=k, eos_token_id=-1)
+    out, stats = decoder.generate(prompt, 25)
+    ref = target.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    assert out == ref and stats.rounds == len(seen) >= 25 // (k + 1)
+    with torch.no_grad():  # the drafts of every round, from scratch: committed tokens, then the slots
+        hidden_states = target(torch.tensor([prompt + out]), output_hidden_states=True).hidden_states
+        features = drafter.combine(torch.cat([hidden_states[i] for i in (1, 2, 3)], dim=-1))
+        slot = drafter.combine(drafter.mask_hidden)[None].expand(1, k - 1, -1)
+        m = len(prompt)
+        for drafts in seen:
+            tokens = torch.tensor([(prompt + out)[1:m + 1] + [11] * (k - 1)])
+            h, _ = drafter(tokens, torch.cat([features[:, :m], slot], dim=1))
+            expected = drafter.draft_to_target(drafter.logits(h[0, m - 1:]).argmax(-1)).tolist()
+            assert drafts == expected, (m, drafts, expected)
+            later = (prompt + out)[m + 1:m + 1 + k]  # what the target committed after x_m: drafts match a prefix
+            m += next((j for j, d in enumerate(drafts) if j >= len(later) or d != later[j]), k) + 1
+
+
 def test_greedy_accepts_when_drafter_agrees(tmp_path):
     """Catches an acceptance rule that never accepts: a drafter whose head copies the target's next-token
     choice for the tokens it sees must get tau > 1 on a peaked target."""

@@ -95,6 +95,48 @@ def test_multi_layer_drafter_loads_in_every_layout(tmp_path, layout):
     assert ckpt.config.model_type == ("qwen3" if layout == "speculators" else "llama")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_parallel_drafter_loads_in_every_layout(tmp_path, layout):
+    """Catches a P-EAGLE drafter (AWS's write ``ptd_token_id``, speculators' ``peagle`` ``mask_token_id``) read as
+    a plain chain drafter: ``mask_hidden`` was once dropped as a stray tensor, which vLLM then misses when it
+    serves the conversion with parallel_drafting. The tensor comes through as one row (vLLM's view) with the token;
+    speculators' peagle reads norm_before_residual False by default (its eagle3 reads True)."""
+    written = write_drafter(tmp_path / layout, layout, Spec(parallel_token=5, layers=2))
+    ckpt = load_drafter(tmp_path / layout)
+    written["mask_hidden"] = written["mask_hidden"].reshape(1, -1)
+    _assert_same(ckpt, written)
+    assert ckpt.is_parallel and ckpt.config.parallel_token_id == 5 and ckpt.dropped in ([], [
+        "midlayer.self_attn.rotary_emb.inv_freq"])
+    assert ckpt.config.norm_before_residual is False
+    assert not load_drafter(_plain(tmp_path, layout)).is_parallel
+
+
+def _plain(tmp_path, layout):
+    write_drafter(tmp_path / f"{layout}-plain", layout, Spec())
+    return tmp_path / f"{layout}-plain"
+
+
+def test_parallel_drafter_needs_its_token_and_a_row_of_target_features(tmp_path):
+    """Catches a P-EAGLE drafter accepted without the mask-slot token vLLM needs (it raises at serving time), with a
+    token outside the target's vocabulary, or with a mask_hidden that is not n x target_hidden wide."""
+    folder = tmp_path / "p"
+    write_drafter(folder, "specforge", Spec(parallel_token=5))
+    config = json.loads((folder / "config.json").read_text())
+    del config["ptd_token_id"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="weights hold mask_hidden .* names no mask-slot token"):
+        load_drafter(folder)
+    _edit_config(folder, pard_token=301)
+    with pytest.raises(CheckpointError, match="mask-slot token 301 is outside the target vocab of 301"):
+        load_drafter(folder)
+    _edit_config(folder, pard_token=300)
+    assert load_drafter(folder).config.parallel_token_id == 300
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({**tensors, "mask_hidden": torch.zeros(1, 64)}, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"mask_hidden has shape \[1, 64\], config implies \[1, 96\]"):
+        load_drafter(folder)
+
+
 def _edit_config(folder, **changes):
     config = json.loads((folder / "config.json").read_text())
     config.update(changes)

@@ -402,6 +402,34 @@ def test_ttt_step_equals_cached_draft_chain(variant):
                                            msg=f"step {i} position {t}")
 
 
+@pytest.mark.parametrize("variant", [{}, {"num_layers": 2, "norm_output": True, "model_type": "qwen3"}])
+def test_parallel_drafter_ttt_equals_one_parallel_pass(variant):
+    """Catches a P-EAGLE drafter trained (or distilled) on other states than vLLM's parallel drafting serves: TTT
+    step i at t must equal the output at position t+i of ONE causal pass over the real positions 0..t followed by
+    i masked slots (token ``parallel_token_id``, hidden ``combine(mask_hidden)``, positions counting on), as vLLM's
+    copy_and_expand_eagle_inputs lays them out. A chain's fed-back state or token, a slot position that does not
+    count on, or a slot that sees a later slot all break it."""
+    cfg = _config(parallel_token_id=7, **variant)
+    model = _random_drafter(cfg)
+    assert model.is_parallel and model.mask_hidden.shape == (1, 3 * cfg.target_hidden_size)
+    T, k = 6, 3
+    ids, aux = _inputs(cfg, 1, T, k)
+    with torch.no_grad():
+        ttt = model.ttt_forward(ids, aux, k)
+        g = model.combine(aux)
+        slot = model.combine(model.mask_hidden.to(torch.float64))[None]
+        for t in range(T):
+            tokens = torch.cat([ids[:, 1:t + 2], torch.full((1, k - 1), 7)], dim=1)
+            hidden = torch.cat([g[:, :t + 1], slot.expand(1, k - 1, -1)], dim=1)
+            h, _ = model(tokens, hidden)  # positions 0..t+k-1, causal
+            for i in range(k):
+                torch.testing.assert_close(ttt[i][:, t], h[:, t + i], rtol=1e-10, atol=1e-10,
+                                           msg=f"step {i} position {t}")
+        other = ids.clone()
+        other[:, T + 1:] = (other[:, T + 1:] + 1) % cfg.vocab_size  # tokens only chain steps would read
+        torch.testing.assert_close(model.ttt_forward(other, aux, k)[k - 1], ttt[k - 1], rtol=0, atol=0)
+
+
 def test_ttt_alignment_each_step_sees_the_next_token():
     """Catches an off-by-one in the token shift: step i at position t must read token x_{t+1+i} and nothing
     later; changing x_j changes step i exactly at positions t >= j-1-i (attention carries it forward)."""

@@ -39,6 +39,11 @@ LAYER_PREFIXES = ("midlayer.", "layers.0.")
 # Layers 1, 2, ... are plain decoder layers over the hidden state alone: no hidden_norm (vLLM builds one, unused).
 LATER_LAYER_TENSORS = tuple(n for n in LAYER_TENSORS if n != "hidden_norm.weight")
 LATER_LAYER = re.compile(r"^layers\.([1-9][0-9]*)\.(.+)$")
+# P-EAGLE (parallel drafting): the stand-in for the target's aux features at the masked draft slots, [1, n*Ht]
+MASK_HIDDEN = "mask_hidden"
+# config keys naming the token of the masked slots, in the order vLLM's proposer reads them (speculators' "peagle"
+# writes mask_token_id, which vLLM passes on as pard_token; AWS's P-EAGLE drafters write ptd_token_id)
+PARALLEL_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
 
 
 def layer_prefix(index: int) -> str:
@@ -72,6 +77,8 @@ class DrafterConfig:
     fc_norm: bool = False
     norm_output: bool = False
     num_layers: int = 1  # decoder layers: the EAGLE-3 layer, then plain ones over the hidden state (vLLM's layer_idx)
+    # P-EAGLE: the token of the masked slots of a parallel drafter (one with mask_hidden); None drafts in a chain
+    parallel_token_id: int | None = None
     target_model: str | None = None  # the verifier named in the config, if any
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -120,6 +127,12 @@ class DrafterCheckpoint:
             return written
         layout = (self.recorded("source_layout") or self.layout) if self.layout == "slimspec" else self.layout
         return "output" if layout in ("specforge", "modelopt") else "input"
+
+    @property
+    def is_parallel(self) -> bool:
+        """A P-EAGLE drafter: vLLM drafts all its tokens in one pass (``parallel_drafting``), masked slots fed
+        ``mask_hidden`` and the token ``config.parallel_token_id``."""
+        return self.config.parallel_token_id is not None
 
     @property
     def is_lowrank(self) -> bool:
@@ -198,7 +211,7 @@ def _canonical_name(name: str) -> str | None:
         rest = later.group(2)
         return name if rest in LATER_LAYER_TENSORS or rest in OPTIONAL_LAYER_TENSORS else None
     if name in ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
-                "input_norm.weight", LOWRANK_DOWN):
+                "input_norm.weight", LOWRANK_DOWN, MASK_HIDDEN):
         return name
     if name.startswith("fc_norm.") and name.endswith(".weight"):
         return name
@@ -253,6 +266,14 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
                 return bool(source[key])
         return default
 
+    parallel_token = None
+    if MASK_HIDDEN in tensors:
+        found = [s[k] for k in PARALLEL_TOKEN_KEYS for s in (raw, layer) if s.get(k) is not None]
+        if not found:
+            raise CheckpointError(f"the weights hold {MASK_HIDDEN} (a P-EAGLE parallel drafter) but the config names "
+                                  f"no mask-slot token ({', '.join(PARALLEL_TOKEN_KEYS)})")
+        parallel_token = int(found[0])
+
     target_model = None
     spec = raw.get("speculators_config")
     if isinstance(spec, dict) and isinstance(spec.get("verifier"), dict):
@@ -287,12 +308,15 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
         model_type=model_type,
         num_aux_hidden_states=num_aux,
         aux_layer_ids=[int(i) for i in aux_ids] if aux_ids else None,
-        # speculators checkpoints default to norm-before-residual (as vLLM reads them); the rest do not.
-        norm_before_residual=flag("norm_before_residual", layout == "speculators"),
+        # speculators' eagle3 checkpoints default to norm-before-residual (as vLLM reads them); the rest, its
+        # peagle ones included, do not.
+        norm_before_residual=flag("norm_before_residual",
+                                  layout == "speculators" and raw.get("speculators_model_type") != "peagle"),
         norm_before_fc=flag("norm_before_fc", False),
         fc_norm=flag("fc_norm", any(k.startswith("fc_norm.") for k in tensors)),
         norm_output=flag("norm_output", False),
         num_layers=num_layers,
+        parallel_token_id=parallel_token,
         target_model=target_model,
         extra={k: v for k, v in layer.items() if k not in known and isinstance(v, (int, float, str, bool))},
     )
@@ -334,6 +358,7 @@ def _check_shapes(cfg: DrafterConfig, t: dict[str, torch.Tensor], where: Path) -
         LOWRANK_DOWN: (t[LOWRANK_DOWN].shape[0] if LOWRANK_DOWN in t else 0, h),
         "d2t": (cfg.draft_vocab_size,),
         "t2d": (cfg.vocab_size,),
+        MASK_HIDDEN: (1, cfg.num_aux_hidden_states * cfg.target_hidden_size),
     }
     if LOWRANK_DOWN in t:
         if "lm_head.weight" not in t or t[LOWRANK_DOWN].dim() != 2:
@@ -350,6 +375,9 @@ def _check_shapes(cfg: DrafterConfig, t: dict[str, torch.Tensor], where: Path) -
             raise CheckpointError(
                 f"{where}: {name} has shape {list(t[name].shape)}, config implies {list(shape)}"
             )
+    if cfg.parallel_token_id is not None and not 0 <= cfg.parallel_token_id < cfg.vocab_size:
+        raise CheckpointError(f"{where}: the mask-slot token {cfg.parallel_token_id} is outside the target vocab of "
+                              f"{cfg.vocab_size}")
     d2t = t.get("d2t")
     if d2t is not None:
         ids = torch.arange(cfg.draft_vocab_size) + d2t.long()
@@ -407,6 +435,8 @@ def load_drafter(folder: str | Path) -> DrafterCheckpoint:
         )
     loaded = read_tensors(files, mapping.values())
     tensors = {canon: loaded[src] for canon, src in mapping.items()}
+    if MASK_HIDDEN in tensors:  # written [n*Ht] or [1, n*Ht]; vLLM views it as one row
+        tensors[MASK_HIDDEN] = tensors[MASK_HIDDEN].reshape(1, -1)
     layout = detect_layout(raw, set(mapping))
     cfg = _build_config(raw, layout, tensors)
     if "input_norm.weight" in tensors and not cfg.norm_before_fc:  # vLLM follows the flag and ignores the tensor

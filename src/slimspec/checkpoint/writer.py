@@ -55,6 +55,7 @@ def drafter_config_json(
     if cfg.aux_layer_ids:
         config["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
         config["num_aux_hidden_states"] = len(cfg.aux_layer_ids)  # vLLM assumes 3 without it
+    _parallel_token(config, cfg)
     config["slimspec"] = {"rank": rank, **slimspec_meta}
     return config
 
@@ -78,7 +79,14 @@ def eagle_config_json(cfg: DrafterConfig, draft_vocab: int, aux_convention: str 
         config["num_aux_hidden_states"] = len(cfg.aux_layer_ids)
         if aux_convention == "output":
             config["aux_convention"] = "output"
+    _parallel_token(config, cfg)
     return config
+
+
+def _parallel_token(config: dict[str, Any], cfg: DrafterConfig) -> None:
+    """A P-EAGLE drafter's mask-slot token, under the key AWS's P-EAGLE drafters use (vLLM reads it)."""
+    if cfg.parallel_token_id is not None:
+        config["ptd_token_id"] = cfg.parallel_token_id
 
 
 def _distilled(report: dict[str, Any]) -> str:
@@ -104,8 +112,12 @@ def _distill_rows(report: dict[str, Any]) -> list[str]:
 
 
 def model_card(*, drafter_id: str, target_id: str, rank: int, hidden: int, report: dict[str, Any],
-               out_name: str) -> str:
-    """README.md with Hub metadata, what was done, the numbers, and how to serve it."""
+               out_name: str, parallel: bool = False) -> str:
+    """README.md with Hub metadata, what was done, the numbers, and how to serve it (``parallel``: a P-EAGLE
+    drafter, served with ``parallel_drafting``)."""
+    serve = {"method": "eagle3", "model": out_name, "num_speculative_tokens": 3}
+    if parallel:
+        serve["parallel_drafting"] = True
     energy = report.get("energy_kept")
     err = report.get("relative_frobenius_error")
     flops = report.get("head_flop_ratio")
@@ -139,8 +151,7 @@ def model_card(*, drafter_id: str, target_id: str, rank: int, hidden: int, repor
         "",
         "```bash",
         "pip install 'slimspec[vllm]'",
-        f"vllm serve {target_id} --speculative-config "
-        f"'{{\"method\":\"eagle3\",\"model\":\"{out_name}\",\"num_speculative_tokens\":3}}'",
+        f"vllm serve {target_id} --speculative-config '{json.dumps(serve, separators=(',', ':'))}'",
         "```",
         "",
         "The `slimspec` plugin registers the low-rank head with vLLM; without it vLLM refuses this",

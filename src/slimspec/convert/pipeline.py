@@ -326,7 +326,7 @@ def convert(
             write_json(tmp / "config.json", config)
             (tmp / "README.md").write_text(model_card(
                 drafter_id=drafter, target_id=target or "TARGET", rank=r, hidden=hidden, report=report,
-                out_name=out.name))
+                out_name=out.name, parallel=cfg.parallel_token_id is not None))
         with stages.stage("verify", "reloading and checking logits"):
             report["verification"] = verify_folder(tmp, tensors, weight, samples=verify_samples)
         report["timings"] = {**{k: round(v, 3) for k, v in stages.timings.items()},

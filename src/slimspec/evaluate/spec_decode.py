@@ -7,7 +7,9 @@ back its pre-norm output with the last drafted token at the next position. The t
 [x_m, d_1..d_K] in one forward: greedy accepts the longest prefix of d that matches its argmax (at
 temperature > 0, speculative sampling: accept with min(1, p/q), resample from norm(max(0, p - q))).
 Both KV caches are cropped back to committed positions; the drafter recomputes the accepted positions
-from the target's real features next round. Target and drafter share one device (a GPU or the CPU); the random
+from the target's real features next round. A P-EAGLE drafter (``Eagle3Drafter.is_parallel``) drafts as
+vLLM's ``parallel_drafting`` does: its output at m-1 and K-1 masked slots at positions m..m+K-2, in one pass
+whose slots leave no trace in the cache. Target and drafter share one device (a GPU or the CPU); the random
 draws take CPU copies of the distributions, so a seed gives the same draws wherever the models run.
 """
 
@@ -124,10 +126,16 @@ class SpeculativeDecoder:
                                 past_key_values=dcache)
             done = m
             h = h[:, -1:]
+            parallel = drafter.is_parallel and self.k > 1
+            if parallel:  # P-EAGLE: K-1 masked slots after position m-1, all K drafts from one pass
+                emb, hid = drafter.masked_slots(1, self.k - 1)
+                slots, _ = drafter(inputs_embeds=emb, hidden=hid, past_key_values=dcache,
+                                   positions=torch.arange(m, m + self.k - 1, device=device)[None])
+                h = torch.cat([h, slots], dim=1)
             drafts, qs = [], []
             chain_cache = dcache
             for j in range(self.k):
-                logit = drafter.logits(h)[0, -1]
+                logit = drafter.logits(h[:, j:j + 1] if parallel else h)[0, -1]
                 if self.temperature > 0:
                     q = _draft_distribution(logit, drafter, self.vocab, self.temperature).cpu()
                     d = int(torch.multinomial(q, 1, generator=self.generator))
@@ -135,7 +143,7 @@ class SpeculativeDecoder:
                 else:
                     d = int(drafter.draft_to_target(logit.argmax().view(1)))
                 drafts.append(d)
-                if j + 1 < self.k:
+                if j + 1 < self.k and not parallel:
                     h, chain_cache = drafter(input_ids=torch.tensor([[d]], device=device),
                                              hidden=drafter.next_hidden(h),
                                              positions=torch.tensor([[m + j]], device=device),

@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="on CPU: share of RAM")
     p.add_argument("--local-argmax", action="store_true",
                    help="greedy drafts through the model's get_top_tokens (use_local_argmax_reduction)")
+    p.add_argument("--parallel-drafting", action="store_true",
+                   help="draft all tokens in one pass (P-EAGLE drafters: mask_hidden and ptd_token_id)")
     p.add_argument("--enforce-eager", action="store_true", help="skip torch.compile (faster start, slower steps)")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompts as raw text")
     p.add_argument("--no-warmup", action="store_true")
@@ -231,6 +233,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         speculative = {"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.draft_tokens}
         if args.local_argmax:
             speculative["use_local_argmax_reduction"] = True
+        if args.parallel_drafting:
+            speculative["parallel_drafting"] = True
     start = time.perf_counter()
     llm = LLM(model=args.target, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=speculative,

@@ -95,6 +95,14 @@ def run_vllm_check(target: str | Path, prompts: list[str], *, drafter: str | Pat
     return report
 
 
+def is_parallel_drafter(folder: Path) -> bool:
+    """A P-EAGLE drafter (its weights hold ``mask_hidden``): vLLM must draft it with ``parallel_drafting``."""
+    from slimspec.checkpoint.drafter import MASK_HIDDEN
+    from slimspec.checkpoint.files import weight_map
+
+    return any(name.removeprefix("model.") == MASK_HIDDEN for name in weight_map(folder))
+
+
 def evaluate_vllm(
     drafter_folder: str | Path,
     target_folder: str | Path,
@@ -113,6 +121,7 @@ def evaluate_vllm(
     tau = 1 + accepted / drafts from vLLM's own counters (``vllm:spec_decode_*``, warm-up excluded).
     ``enforce_eager`` None: eager unless this machine has a GPU (torch.compile costs ~1 min on CPU).
     ``greedy_top_tokens``: draft through the model's ``get_top_tokens`` (``use_local_argmax_reduction``).
+    A P-EAGLE drafter is drafted in one pass (``parallel_drafting``), as it must be served.
     Returns the keys of the reference engine plus ``engine``, ``vllm_version``, ``startup_seconds``.
     """
     if not prompts:
@@ -127,6 +136,8 @@ def evaluate_vllm(
         args.append("--enforce-eager")
     if greedy_top_tokens:
         args.append("--local-argmax")
+    if is_parallel_drafter(Path(drafter_folder)):
+        args.append("--parallel-drafting")
     report = run_vllm_check(target_folder, prompts, drafter=drafter_folder, extra_args=args)
     if not report.get("ok"):
         raise SlimSpecError(f"vLLM could not run {drafter_folder}: {report.get('error')}")
