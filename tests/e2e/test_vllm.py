@@ -489,7 +489,7 @@ def test_parallel_drafter_is_served_as_the_reference_decoder_runs_it(target, bas
     """A P-EAGLE drafter before conversion (vLLM's EAGLE-3 class with parallel_drafting) and after (the plugin, SVD at
     rank 432 over the draft vocabulary): vLLM must accept at each draft position exactly what the reference decoder's
     one-pass drafts get accepted (they agreed on every count: 72 of 181 rounds at position 1, none after, for the
-    source; the same drafter drafted as a chain gets ~1.5), keep the greedy output and serve the converted head.
+    source; drafted as a chain, the same drafter gets 1.62), keep the greedy output and serve the converted head.
     Catches a conversion that drops mask_hidden or its token (vLLM then refuses parallel drafting), a reference
     decoder that drafts a P-EAGLE drafter as a chain, and ``evaluate_vllm`` not asking vLLM for parallel drafting."""
     from slimspec.evaluate.acceptance import evaluate
