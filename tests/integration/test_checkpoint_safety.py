@@ -170,6 +170,18 @@ def test_trimmed_drafter_keeps_the_eagle_3_1_norm_output_recurrence(tmp_path):
     assert trimmed.config.norm_output
 
 
+def test_trimmed_p_eagle_drafter_still_drafts_in_parallel(tmp_path):
+    """Catches a trim of a P-EAGLE drafter (the plane's baselines) that loses mask_hidden or its mask-slot token:
+    the baseline would then be measured as a chain drafter (or refused by vLLM's parallel drafting)."""
+    from slimspec.evaluate.trim import write_trimmed
+
+    write_drafter(tmp_path / "d", "eagle", Spec(parallel_token=9))
+    ckpt = load_drafter(tmp_path / "d")
+    trimmed = load_drafter(write_trimmed(ckpt, torch.arange(40), tmp_path / "trim"))
+    assert trimmed.config.parallel_token_id == 9
+    assert torch.equal(trimmed.tensors["mask_hidden"], ckpt.tensors["mask_hidden"])
+
+
 def _edit_bin(folder, **changes) -> None:
     """Add (or with None, remove) tensors of an EAGLE-layout drafter's pytorch_model.bin."""
     tensors = torch.load(folder / "pytorch_model.bin", weights_only=True)
