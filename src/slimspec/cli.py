@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import click
 
 from slimspec import __version__
-from slimspec.errors import SlimSpecError
+from slimspec.errors import SlimSpecError, SlimSpecWarning
 
 
 def _fail(message: str) -> None:
@@ -21,6 +22,15 @@ class SlimSpecGroup(click.Group):
     """Turns SlimSpec errors and bad options into one line on stderr and exit code 2 (no traceback)."""
 
     def invoke(self, ctx: click.Context):
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):  # ours: one line, no source excerpt
+            if issubclass(category, SlimSpecWarning):
+                click.echo(f"warning: {message}", err=True)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
         try:
             return super().invoke(ctx)
         except SlimSpecError as exc:
@@ -30,6 +40,8 @@ class SlimSpecGroup(click.Group):
             _fail(f"{exc.format_message()} (see {where} --help)")
         except KeyboardInterrupt:
             _fail("interrupted (nothing was written)")
+        finally:
+            warnings.showwarning = shown
 
 
 @click.group(cls=SlimSpecGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,4 +1,5 @@
-"""User-facing errors: the CLI prints their message on one line and exits with code 2."""
+"""User-facing errors (the CLI prints their message on one line and exits with code 2) and warnings (one
+``warning:`` line)."""
 
 
 def first_line(exc: BaseException, default: str | None = None) -> str:
@@ -17,3 +18,7 @@ class CheckpointError(SlimSpecError):
 
 class RankError(SlimSpecError):
     """A rank specification that cannot be parsed or is out of range."""
+
+
+class SlimSpecWarning(UserWarning):
+    """Something the user should know that does not stop the work (e.g. source tensors a conversion cannot carry)."""

@@ -14,7 +14,7 @@ from slimspec.checkpoint.files import _load_bin
 from slimspec.checkpoint.writer import remove_stale_temps
 from slimspec.cli import main
 from slimspec.distill.teacher import aux_layers_for
-from slimspec.errors import CheckpointError, SlimSpecError
+from slimspec.errors import CheckpointError, SlimSpecError, SlimSpecWarning
 from tests.layouts import Spec, write_drafter, write_target
 
 LAYERS = 8  # write_target's default
@@ -208,6 +208,30 @@ def test_drafter_parts_that_would_be_dropped_are_refused(tmp_path, tensor, needl
     _edit_bin(tmp_path / "d", **{tensor.replace(".", "__"): torch.ones(4)})
     with pytest.raises(CheckpointError, match=needle):
         load_drafter(tmp_path / "d")
+
+
+def test_conversion_warns_about_tensors_it_does_not_know(tmp_path):
+    """Catches a drafter variant this reader does not know losing tensors without a word (P-EAGLE's mask_hidden
+    was dropped that way until session 47): an unknown tensor must be named in a warning (the CLI shows it) and in
+    slimspec.json, while the ones dropped on purpose (RoPE's inv_freq, here in every EAGLE-layout test drafter)
+    stay silent."""
+    import warnings
+
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    write_target(tmp_path / "t")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a known-unused tensor must not warn
+        slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o1", progress=False)
+    _edit_bin(tmp_path / "d", some_new_thing__weight=torch.ones(4))
+    with pytest.warns(SlimSpecWarning, match=r"1 tensor\(s\) of an unknown kind are not carried into the output: "
+                                         r"some_new_thing\.weight"):
+        res = slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o2", progress=False)
+    assert "some_new_thing.weight" in res.report["source"]["dropped_tensors"]
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--target", str(tmp_path / "t"), "--rank", "8",
+                                       "-o", str(tmp_path / "o3"), "-q"])
+    assert result.exit_code == 0, result.output
+    assert f"warning: {tmp_path / 'd'}: 1 tensor(s) of an unknown kind are not carried into the output: " \
+        "some_new_thing.weight (listed in slimspec.json)\n" in result.stderr
 
 
 def test_full_size_draft_vocab_in_another_order_keeps_target_order(tmp_path):

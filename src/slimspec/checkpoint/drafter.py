@@ -39,6 +39,10 @@ LAYER_PREFIXES = ("midlayer.", "layers.0.")
 # Layers 1, 2, ... are plain decoder layers over the hidden state alone: no hidden_norm (vLLM builds one, unused).
 LATER_LAYER_TENSORS = tuple(n for n in LAYER_TENSORS if n != "hidden_norm.weight")
 LATER_LAYER = re.compile(r"^layers\.([1-9][0-9]*)\.(.+)$")
+# Source tensors dropped on purpose, as vLLM ignores them too: RoPE's inverse frequencies (recomputed), a later
+# layer's hidden_norm and an input_norm without norm_before_fc (built, never read). Anything else dropped is unknown.
+KNOWN_UNUSED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^layers\.[1-9][0-9]*\.hidden_norm\.weight$"
+                          r"|^input_norm\.weight$")
 # P-EAGLE (parallel drafting): the stand-in for the target's aux features at the masked draft slots, [1, n*Ht]
 MASK_HIDDEN = "mask_hidden"
 # config keys naming the token of the masked slots, in the order vLLM's proposer reads them (speculators' "peagle"
@@ -127,6 +131,12 @@ class DrafterCheckpoint:
             return written
         layout = (self.recorded("source_layout") or self.layout) if self.layout == "slimspec" else self.layout
         return "output" if layout in ("specforge", "modelopt") else "input"
+
+    @property
+    def unknown_dropped(self) -> list[str]:
+        """Source tensors the reader did not recognise and dropped (``KNOWN_UNUSED`` ones aside): a conversion does
+        not carry them, so a drafter variant this reader does not know yet would lose them."""
+        return [n for n in self.dropped if not KNOWN_UNUSED.search(n.removeprefix("model."))]
 
     @property
     def is_parallel(self) -> bool:
