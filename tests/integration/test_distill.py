@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -614,3 +615,21 @@ def test_distill_trains_on_the_chosen_device(tiny_converted, tiny_target, tmp_pa
             distill(tiny_converted, str(tiny_target), out=tmp_path / "gpu", config=DistillConfig(steps=1),
                     data_options=options, progress=False, overwrite=True)
         assert asked[-1] == want
+
+
+def test_distilling_a_drafter_with_unknown_tensors_warns(tiny_converted, tiny_target, tmp_path):
+    """Catches `distill` writing a drafter without the source tensors it does not know, without a word (the output is
+    written from the canonical tensors only)."""
+    from safetensors.torch import load_file, save_file
+
+    from slimspec.errors import SlimSpecWarning
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny_converted, source)
+    tensors = load_file(str(source / "model.safetensors"))
+    save_file({**tensors, "adapter.scale": torch.ones(2)}, str(source / "model.safetensors"))
+    with pytest.warns(SlimSpecWarning, match=r"1 tensor\(s\) of an unknown kind are not carried into the output: "
+                                             r"adapter\.scale"):
+        out, _ = distill(source, str(tiny_target), out=tmp_path / "o", data_options=FEW, progress=False,
+                         config=DistillConfig(steps=1, batch_tokens=128, warmup_steps=1))
+    assert "adapter.scale" not in load_file(str(out / "model.safetensors"))

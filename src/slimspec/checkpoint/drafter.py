@@ -9,6 +9,7 @@ draft token ``i`` is target token ``i + d2t[i]`` (true for every format, frequen
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from slimspec.checkpoint.files import read_json, read_tensors, sha256_file, weight_map
-from slimspec.errors import CheckpointError
+from slimspec.errors import CheckpointError, SlimSpecWarning
 
 LAYOUTS = ("eagle", "specforge", "speculators", "modelopt", "angelslim", "slimspec")
 LOWRANK_DOWN = "lm_head_down.weight"  # SlimSpec: lm_head.weight is W_up [V, r], this is W_down [r, d]
@@ -137,6 +138,15 @@ class DrafterCheckpoint:
         """Source tensors the reader did not recognise and dropped (``KNOWN_UNUSED`` ones aside): a conversion does
         not carry them, so a drafter variant this reader does not know yet would lose them."""
         return [n for n in self.dropped if not KNOWN_UNUSED.search(n.removeprefix("model."))]
+
+    def warn_unknown_dropped(self, name: str) -> None:
+        """A ``SlimSpecWarning`` naming ``unknown_dropped`` (``name``: how the user called this drafter), if any: an
+        output written from this checkpoint will not carry them."""
+        names = self.unknown_dropped
+        if names:
+            warnings.warn(f"{name}: {len(names)} tensor(s) of an unknown kind are not carried into the output: "
+                          f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}",
+                          SlimSpecWarning, stacklevel=3)
 
     @property
     def is_parallel(self) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import platform
 import time
-import warnings
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,7 +24,7 @@ from slimspec.checkpoint.writer import (
 )
 from slimspec.convert.factorize import factorize, gram_matrix, relative_error, squared_singular_values
 from slimspec.convert.rank import parse_rank
-from slimspec.errors import CheckpointError, SlimSpecError, SlimSpecWarning
+from slimspec.errors import CheckpointError, SlimSpecError
 from slimspec.progress import Stages
 
 VocabMode = Literal["full", "draft"]
@@ -199,11 +198,7 @@ def convert(
         ckpt = load_drafter(drafter_path)
     if out is not None:
         check_not_the_source(Path(out), drafter_path)
-    if ckpt.unknown_dropped:
-        names = ckpt.unknown_dropped
-        warnings.warn(f"{drafter}: {len(names)} tensor(s) of an unknown kind are not carried into the output: "
-                      f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''} (listed in slimspec.json)",
-                      SlimSpecWarning, stacklevel=2)
+    ckpt.warn_unknown_dropped(drafter)
     if target is None and embedded.is_embedded(drafter):
         target = embedded.EMBEDDED_TARGET
     if target is None and (vocab == "full" or init == "whitened" or distill_steps > 0 or not ckpt.has_head):

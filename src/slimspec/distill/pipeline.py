@@ -235,6 +235,7 @@ def distill(
         options.data = data
     source = resolve_model(str(checkpoint), "drafter")
     ckpt = load_drafter(source)
+    ckpt.warn_unknown_dropped(str(checkpoint))
     target_revision = ckpt.target_revision_for(target)  # the one it was converted against
     target = target or target_of(str(checkpoint), ckpt)
     out = Path(out) if out is not None else Path(f"{model_name(str(checkpoint))}-distilled")
