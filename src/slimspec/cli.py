@@ -618,6 +618,8 @@ def eval_command(drafter: str, target: str | None, dataset: str, num_prompts: in
         click.echo(f"{f'acceptance @ {j + 1}':<26}" + "".join(f"{r['acceptance_per_position'][j]:>12.3f}"
                                                             for r in runs))
     click.echo(f"{'tokens/s':<26}" + "".join(f"{r['tokens_per_second']:>12.1f}" for r in runs))
+    if any(r["drafting"] == "parallel" for r in runs):  # P-EAGLE: all K drafts come from one pass
+        click.echo(f"{'drafting':<26}" + "".join(f"{r['drafting']:>12}" for r in runs))
     if baseline:
         click.echo(f"{'rho_tau':<26}{report['rho_tau']:>12.3f}")
     if engine == "vllm":

@@ -382,6 +382,7 @@ def test_cli_eval_engine_vllm(drafters):
     for key in ("tau", "acceptance_per_position", "tokens_per_second", "num_prompts"):
         assert key in report and key in report["reference"]
     assert report["engine"] == "vllm" and report["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
+    assert report["drafting"] == "chain"
     print(f"\n[vllm] eval --engine vllm: vLLM tau {report['tau']:.3f}, reference tau {report['reference']['tau']:.3f}")
     assert report["tau"] > 1.0 and abs(report["tau"] - report["reference"]["tau"]) <= 0.15
 

@@ -167,6 +167,24 @@ def test_cli_eval_json_with_baseline(tiny_converted, tiny_target, tmp_path):
     assert report["device"] == "cpu"  # tests/conftest.py pins the CPU (auto would take a GPU)
 
 
+def test_cli_eval_says_which_drafter_drafts_in_parallel(tiny_target, tmp_path):
+    """Catches an eval table that hides how each drafter drafted: a P-EAGLE drafter measured beside a chain
+    drafter must be reported as "parallel" (one pass, K-1 masked slots), the other as "chain"."""
+    from slimspec.distill.teacher import load_target_model
+
+    vocab = load_target_model(tiny_target)[0].config.vocab_size
+    write_drafter(tmp_path / "p", "eagle", Spec(vocab=vocab, draft_vocab=512, parallel_token=11))
+    write_drafter(tmp_path / "c", "eagle", Spec(vocab=vocab, draft_vocab=512))
+    args = ["eval", str(tmp_path / "p"), "-t", str(tiny_target), "--num-prompts", "1", "--max-new-tokens", "6",
+            "-k", "2", "--baseline", str(tmp_path / "c"), "-q"]
+    table = CliRunner().invoke(main, args)
+    assert table.exit_code == 0, table.output
+    assert [line.split() for line in table.stdout.splitlines() if line.startswith("drafting")] == [
+        ["drafting", "parallel", "chain"]]
+    report = json.loads(CliRunner().invoke(main, args + ["--json"]).stdout)
+    assert (report["drafting"], report["baseline"]["drafting"]) == ("parallel", "chain")
+
+
 def test_eval_device_errors_before_loading_and_one_device_for_both_models(tiny_target, tmp_path, monkeypatch):
     """Catches `eval --device cuda` on a machine without a GPU failing deep in a model load (or running on the CPU
     silently), and a decoder whose drafter sits on another device than its target (a mismatch crash in the

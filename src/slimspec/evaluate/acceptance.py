@@ -154,7 +154,8 @@ def _decode_runs(drafter: str, target: str | None, baseline: str | None, prompts
             out, s = decoder.generate(ids, max_new_tokens)
             outputs[name].append(out)
             stats.add(s)
-        results[name] = _stats_dict(stats, len(prompts))
+        results[name] = {**_stats_dict(stats, len(prompts)),
+                         "drafting": "parallel" if draft_model.is_parallel else "chain"}
     return results, outputs, target, str(parts.path)
 
 
@@ -205,7 +206,8 @@ def _evaluate_both(drafter: str, target: str | None, *, dataset: str, num_prompt
               "reference": {k: reference[k] for k in ("tau", "acceptance_per_position", "tokens_per_second",
                                                       "num_prompts")}}
     if baseline is not None:
-        report["baseline"] = {**measure(baseline), "drafter": baseline, "reference": reference["baseline"]}
+        report["baseline"] = {**measure(baseline), "drafter": baseline, "drafting": reference["baseline"]["drafting"],
+                              "reference": reference["baseline"]}
         report["rho_tau"] = report["tau"] / report["baseline"]["tau"]
         report["reference"]["rho_tau"] = reference["rho_tau"]
     return report
