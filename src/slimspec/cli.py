@@ -275,6 +275,9 @@ def _print_convert_report(report: dict) -> None:
 @click.option("--draft-vocab", type=int, default=8192, show_default=True,
               help="--from-scratch: draft vocabulary size (most frequent tokens of the target's answers).")
 @click.option("--head-rank", type=int, help="--from-scratch: a SlimSpec head of this rank instead of a full one.")
+@click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--from-scratch: decoder layers (the EAGLE-3 layer, then plain ones over its hidden state, as "
+                   "speculators' multi-layer drafters; vLLM serves them all).")
 @click.option("--steps", type=int, default=100, show_default=True, help="Optimizer steps.")
 @click.option("--train-backbone", is_flag=True, help="Train the whole drafter, not only the head (with --teacher "
               "drafter the source drafter's own states stay the teacher's).")
@@ -289,7 +292,7 @@ def _print_convert_report(report: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draft_vocab: int, head_rank: int | None,
-            steps: int, train_backbone: bool, backbone_lr: float | None, save_every: int, resume: bool,
+            layers: int, steps: int, train_backbone: bool, backbone_lr: float | None, save_every: int, resume: bool,
             out: Path | None, overwrite: bool, as_json: bool, quiet: bool, **kw) -> None:
     """Distil CHECKPOINT's head (or whole drafter) against the target under full-vocabulary KL.
 
@@ -308,12 +311,14 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
 
         if checkpoint is not None or target is None or out is None:
             raise click.UsageError("--from-scratch takes no CHECKPOINT and needs --target and --out")
-        path, result = train_from_scratch(target, out, draft_vocab=draft_vocab, rank=head_rank, data_options=options,
-                                          config=cfg, overwrite=overwrite or resume, resume=resume,
-                                          progress=not quiet)
+        path, result = train_from_scratch(target, out, draft_vocab=draft_vocab, rank=head_rank, num_layers=layers,
+                                          data_options=options, config=cfg, overwrite=overwrite or resume,
+                                          resume=resume, progress=not quiet)
     else:
         if checkpoint is None:
             raise click.UsageError("CHECKPOINT is required (or use --from-scratch)")
+        if layers != 1 or head_rank is not None:
+            raise click.UsageError("--layers and --head-rank go with --from-scratch (a CHECKPOINT keeps its own)")
         path, result = run_distill(checkpoint, target, out=out, overwrite=overwrite or resume, config=cfg,
                                    data_options=options, resume=resume, progress=not quiet)
     summary = {"out": str(path), **result.summary()}

@@ -388,8 +388,9 @@ def test_cli_eval_engine_vllm(drafters):
 
 
 def test_from_scratch_low_rank_drafter_with_two_feature_layers_is_served(tmp_path):
-    """`distill --from-scratch --head-rank R --aux-layers a,b`: vLLM must serve it through the plugin with its own
-    low-rank head (a plain Llama EAGLE config would load a [V, r] lm_head) and read 2 target states, not 3."""
+    """`distill --from-scratch --head-rank R --aux-layers a,b --layers 2`: vLLM must serve it through the plugin with
+    its own low-rank head (a plain Llama EAGLE config would load a [V, r] lm_head), read 2 target states, not 3, and
+    load both decoder layers its config declares (the tau of multi-layer serving: the test of `_two_layer_drafter`)."""
     from click.testing import CliRunner
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -401,8 +402,8 @@ def test_from_scratch_low_rank_drafter_with_two_feature_layers_is_served(tmp_pat
                                  num_key_value_heads=2, **common)).save_pretrained(target)
     tokenizer.save_pretrained(target)
     result = CliRunner().invoke(main, ["distill", "--from-scratch", "-t", str(target), "--draft-vocab", "512",
-                                       "--head-rank", "16", "--aux-layers", "2,6", "--steps", "2", "--num-prompts",
-                                       "4", "--max-new-tokens", "8", "--batch-tokens", "128", "-o",
+                                       "--head-rank", "16", "--aux-layers", "2,6", "--layers", "2", "--steps", "2",
+                                       "--num-prompts", "4", "--max-new-tokens", "8", "--batch-tokens", "128", "-o",
                                        str(tmp_path / "scratch"), "--json", "-q"])
     assert result.exit_code == 0, result.output
     report = _check(target, drafter=tmp_path / "scratch", prompts=_prompts()[:1], args=["--check-head"])

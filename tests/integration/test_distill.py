@@ -337,6 +337,33 @@ def test_from_scratch_records_its_feature_layers_and_low_rank_head(tiny_target, 
                     progress=False)["tau"] >= 1.0
 
 
+def test_from_scratch_layers_trains_every_layer_and_writes_them(tiny_target, tmp_path):
+    """Catches `--from-scratch --layers N` writing a 1-layer drafter (or a config that does not declare the layers
+    its weights hold) and a later layer left at its random start (not in the optimizer, or not on the forward path);
+    and `--layers`/`--head-rank` silently ignored without --from-scratch."""
+    from slimspec.checkpoint import load_drafter
+    from slimspec.distill.pipeline import load_target_parts
+    from slimspec.distill.scratch import init_drafter
+
+    result = CliRunner().invoke(main, ["distill", "--from-scratch", "-t", str(tiny_target), "--draft-vocab", "300",
+                                       "--layers", "2", "--steps", "3", "--lr", "5e-3", "--num-prompts", "4",
+                                       "--max-new-tokens", "8", "--batch-tokens", "128", "-o",
+                                       str(tmp_path / "scratch"), "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    ckpt = load_drafter(tmp_path / "scratch")
+    config = json.loads((tmp_path / "scratch" / "config.json").read_text())
+    assert ckpt.layout == "eagle" and ckpt.config.num_layers == 2 and config["num_hidden_layers"] == 2
+    start = init_drafter(ckpt.config, load_target_parts(str(tiny_target)), ckpt.tensors["t2d"].nonzero()[:, 0],
+                         None, seed=0).canonical_state_dict(with_embedding=False)
+    for name in ("midlayer.self_attn.q_proj.weight", "layers.1.self_attn.q_proj.weight",
+                 "layers.1.mlp.down_proj.weight"):
+        moved = (ckpt.tensors[name].float() - start[name].float()).abs()
+        assert moved.mean() > 1e-3, name  # 3 Adam steps at ~5e-3 each; fp16 rounding of ~0.02 weights is ~1e-5
+    for flag in (["--layers", "2"], ["--head-rank", "4"]):
+        refused = CliRunner().invoke(main, ["distill", str(tmp_path / "scratch"), "-t", str(tiny_target), *flag])
+        assert refused.exit_code == 2 and "--from-scratch" in refused.output, refused.output
+
+
 def test_bf16_from_scratch_tracks_fp32(tiny_target, tmp_path):
     """``--bf16`` (autocast backbone, bf16 KL matmuls). Catches a flag that is not wired through (losses identical
     to fp32's, or not recorded in the config) and a mixed-precision path that does not learn or drifts from fp32:

@@ -56,7 +56,9 @@ def frequent_response_tokens(teacher: TeacherData, count: int) -> torch.Tensor:
     return order[:count].sort().values
 
 
-def scratch_config(target: TargetParts, draft_vocab: int) -> DrafterConfig:
+def scratch_config(target: TargetParts, draft_vocab: int, num_layers: int = 1) -> DrafterConfig:
+    """A new drafter's config: the target's shapes, ``draft_vocab`` rows, ``num_layers`` decoder layers (the
+    EAGLE-3 layer, then plain ones over its hidden state, as vLLM builds them)."""
     cfg = json.loads((target.path / "config.json").read_text())
     cfg = {**cfg, **cfg.get("text_config", {})}
     heads = int(cfg["num_attention_heads"])
@@ -68,7 +70,7 @@ def scratch_config(target: TargetParts, draft_vocab: int) -> DrafterConfig:
         target_hidden_size=hidden, vocab_size=int(target.head.shape[0]), draft_vocab_size=draft_vocab,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
         rope_scaling=rope_scaling, max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        hidden_act=str(cfg.get("hidden_act", "silu")))
+        hidden_act=str(cfg.get("hidden_act", "silu")), num_layers=num_layers)
 
 
 def init_drafter(config: DrafterConfig, target: TargetParts, draft_ids: torch.Tensor, rank: int | None,
@@ -101,6 +103,7 @@ def train_from_scratch(
     *,
     draft_vocab: int = 8192,
     rank: int | None = None,
+    num_layers: int = 1,
     data_options: DataOptions | None = None,
     config: DistillConfig | None = None,
     overwrite: bool = False,
@@ -111,8 +114,10 @@ def train_from_scratch(
 ) -> tuple[Path, DistillResult]:
     """Train an EAGLE-3 drafter for ``target`` and write it in the EAGLE layout (``pytorch_model.bin``).
 
-    ``every_nth_sequence`` > 1 trains on every n-th teacher sequence only (data-scaling curves: same prompt mix,
-    1/n of the data). ``training_extra``: more top-level fields of ``training.json`` (e.g. the build's prompt mix).
+    ``num_layers`` > 1: more decoder layers after the EAGLE-3 one (speculators' multi-layer drafters; vLLM builds
+    ``num_hidden_layers`` of them). ``every_nth_sequence`` > 1 trains on every n-th teacher sequence only
+    (data-scaling curves: same prompt mix, 1/n of the data). ``training_extra``: more top-level fields of
+    ``training.json`` (e.g. the build's prompt mix).
     """
     out = Path(out)
     check_output_free(out, overwrite)
@@ -122,6 +127,8 @@ def train_from_scratch(
     cfg = config or DistillConfig()
     cfg.train_backbone = True
     parts = load_target_parts(target)
+    if num_layers < 1:
+        raise SlimSpecError(f"--layers must be >= 1, got {num_layers}")
     if not 0 < draft_vocab <= parts.head.shape[0]:
         raise SlimSpecError(f"--draft-vocab must be in 1..{parts.head.shape[0]}, got {draft_vocab}")
     teacher, settings = scratch_teacher(parts, options, progress)
@@ -132,7 +139,7 @@ def train_from_scratch(
         unused = torch.ones(parts.head.shape[0], dtype=torch.bool)
         unused[draft_ids] = False
         draft_ids = torch.cat([draft_ids, unused.nonzero()[: draft_vocab - draft_ids.numel(), 0]]).sort().values
-    dcfg = scratch_config(parts, draft_vocab)
+    dcfg = scratch_config(parts, draft_vocab, num_layers)
     # the feature layers as HF indices (the "input" convention the written config records); none: the default
     dcfg.aux_layer_ids = list(settings.aux_layers) if options.aux_layers else None
     dcfg.num_aux_hidden_states = len(settings.aux_layers)
