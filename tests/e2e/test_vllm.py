@@ -519,3 +519,53 @@ def test_parallel_drafter_is_served_as_the_reference_decoder_runs_it(target, bas
     served = evaluate_vllm(converted, target, prompts=prompts, max_new_tokens=MAX_NEW_TOKENS,
                            draft_tokens=DRAFT_TOKENS, temperature=0.0)
     assert served["tau"] == report["tau"], "evaluate_vllm did not draft the P-EAGLE drafter in one pass"
+
+
+_SERVED_FLAGS = """
+import json, sys
+from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+out = {}
+for folder in sys.argv[1:]:
+    cfg = SpeculatorsConfig.from_pretrained(folder)
+    # llama_eagle3.py reads the flags with getattr(config, key, False); the proposer (llm_base_proposer.py) reads
+    # the mask-slot token as mask_token_id (when not None), else pard_token, else ptd_token_id
+    token = cfg.mask_token_id if getattr(cfg, "mask_token_id", None) is not None else getattr(
+        cfg, "pard_token", getattr(cfg, "ptd_token_id", None))
+    out[folder] = {"norm_before_residual": bool(getattr(cfg, "norm_before_residual", False)),
+                   "norm_before_fc": bool(getattr(cfg, "norm_before_fc", False)), "token": token}
+print(json.dumps(out))
+"""
+
+
+def test_speculators_configs_are_read_as_vllm_builds_them(tmp_path):
+    """vLLM's own speculators config builder is the reference: for speculators configs whose inner
+    transformer_layer_config and top level disagree (flags, the P-EAGLE mask-slot token), our reader must take the
+    values vLLM serves the source with, or a conversion (which writes them at the top level) serves differently."""
+    import subprocess
+
+    from slimspec.checkpoint import load_drafter
+    from tests.layouts import Spec, write_drafter
+
+    cases = {"eagle3-inner": ({"norm_before_residual": False, "norm_before_fc": True}, {}, None),
+             "eagle3-top": ({"norm_before_residual": True}, {"norm_before_residual": False}, None),
+             "peagle-both-tokens": ({"mask_token_id": 9}, {}, 7),
+             "peagle-inner-flags": ({"norm_before_residual": True, "ptd_token_id": 11}, {"norm_before_fc": True}, 7)}
+    folders = []
+    for name, (inner, top, token) in cases.items():
+        folder = tmp_path / name
+        write_drafter(folder, "speculators", Spec(layers=2, parallel_token=token))
+        config = json.loads((folder / "config.json").read_text())
+        config["transformer_layer_config"].update(inner)
+        config.update(top)
+        (folder / "config.json").write_text(json.dumps(config))
+        folders.append(str(folder))
+    done = subprocess.run([str(vllm_python()), "-c", _SERVED_FLAGS, *folders], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    served = json.loads(done.stdout.strip().splitlines()[-1])
+    for folder in folders:
+        cfg = load_drafter(folder).config
+        ours = {"norm_before_residual": cfg.norm_before_residual, "norm_before_fc": cfg.norm_before_fc,
+                "token": cfg.parallel_token_id}
+        assert ours == served[folder], (folder, ours, served[folder])
+    assert len({json.dumps(v, sort_keys=True) for v in served.values()}) > 2  # the cases differ in vLLM's reading

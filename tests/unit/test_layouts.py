@@ -137,6 +137,56 @@ def test_parallel_drafter_needs_its_token_and_a_row_of_target_features(tmp_path)
         load_drafter(folder)
 
 
+def test_flags_and_mask_token_are_read_where_vllm_reads_them(tmp_path):
+    """Catches flags read from places vLLM ignores, which silently changes what a conversion serves (the output
+    writes every flag at the top level, where vLLM does read it): a speculators config's inner copies of
+    norm_before_residual / norm_before_fc (vLLM overwrites them with the top level's or its default), a flat
+    config's eagle_config.norm_before_residual (vLLM reads only the config itself) and a top-level norm_before_fc
+    put before eagle_config's (vLLM reads eagle_config's first); and a speculators peagle's top-level
+    mask_token_id put before the inner one (vLLM's hf_config is the inner config, the top one becomes pard_token).
+    tests/e2e/test_vllm.py checks the speculators cases against vLLM's own config builder."""
+    spec = tmp_path / "spec"
+    write_drafter(spec, "speculators", Spec())
+    config = json.loads((spec / "config.json").read_text())
+    config["transformer_layer_config"].update(norm_before_residual=False, norm_before_fc=True)
+    (spec / "config.json").write_text(json.dumps(config))
+    assert (load_drafter(spec).config.norm_before_residual, load_drafter(spec).config.norm_before_fc) == (True, False)
+    flat = tmp_path / "flat"
+    write_drafter(flat, "specforge", Spec())
+    config = json.loads((flat / "config.json").read_text())
+    config["eagle_config"].update(norm_before_residual=True, norm_before_fc=True)
+    config["norm_before_fc"] = False
+    (flat / "config.json").write_text(json.dumps(config))
+    assert (load_drafter(flat).config.norm_before_residual, load_drafter(flat).config.norm_before_fc) == (False, True)
+    peagle = tmp_path / "peagle"
+    write_drafter(peagle, "speculators", Spec(parallel_token=7, layers=2))
+    config = json.loads((peagle / "config.json").read_text())
+    config["transformer_layer_config"]["mask_token_id"] = 9
+    (peagle / "config.json").write_text(json.dumps(config))
+    assert load_drafter(peagle).config.parallel_token_id == 9
+    del config["transformer_layer_config"]["mask_token_id"]
+    config["transformer_layer_config"]["ptd_token_id"] = 11  # below pard_token (the top mask_token_id) in the order
+    (peagle / "config.json").write_text(json.dumps(config))
+    assert load_drafter(peagle).config.parallel_token_id == 7
+
+
+def test_num_aux_hidden_states_sizes_fc_as_vllm_does(tmp_path):
+    """Catches `num_aux_hidden_states` ignored (vLLM sizes fc by it before the layer ids): a 4-feature drafter
+    without ids was refused as "not 3 target hidden states wide", and one whose count and ids disagree (vLLM
+    would build fc for one and feed it the other) was read."""
+    folder = tmp_path / "aux4"
+    write_drafter(folder, "eagle", Spec())
+    tensors = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    tensors["fc.weight"] = torch.zeros(32, 4 * 32, dtype=tensors["fc.weight"].dtype)
+    torch.save(tensors, folder / "pytorch_model.bin")
+    _edit_config(folder, num_aux_hidden_states=4)
+    cfg = load_drafter(folder).config
+    assert (cfg.num_aux_hidden_states, cfg.target_hidden_size) == (4, 32)
+    _edit_config(folder, eagle_aux_hidden_state_layer_ids=[1, 3, 5])
+    with pytest.raises(CheckpointError, match="num_aux_hidden_states=4 but names 3 feature layers"):
+        load_drafter(folder)
+
+
 def _edit_config(folder, **changes):
     config = json.loads((folder / "config.json").read_text())
     config.update(changes)

@@ -247,6 +247,24 @@ def _layer_config(raw: dict[str, Any], layout: str) -> dict[str, Any]:
     return raw
 
 
+def _served_config(raw: dict[str, Any], layout: str) -> dict[str, Any]:
+    """The config vLLM (0.32-0.34) builds the drafter from. A flat config as it is. A speculators config becomes
+    its ``transformer_layer_config`` with the top level's flags written over it (vLLM's speculators ``eagle3`` and
+    ``peagle`` updaters): the inner copies of these flags never count, and ``peagle``'s top-level
+    ``mask_token_id`` arrives as ``pard_token``. A flag the top level leaves out takes the reader's default."""
+    if layout != "speculators":
+        return raw
+    view = dict(_layer_config(raw, layout))
+    peagle = raw.get("speculators_model_type") == "peagle"
+    for key in ("norm_before_residual", "norm_before_fc") + (() if peagle else ("fc_norm", "norm_output")):
+        view.pop(key, None)
+        if raw.get(key) is not None:
+            view[key] = raw[key]
+    if peagle and raw.get("mask_token_id") is not None:
+        view["pard_token"] = raw["mask_token_id"]
+    return view
+
+
 def _get_eagle_config(raw: dict[str, Any]) -> dict[str, Any]:
     value = raw.get("eagle_config")
     return value if isinstance(value, dict) else {}
@@ -265,10 +283,15 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
     heads = int(need("num_attention_heads"))
     kv_heads = int(layer.get("num_key_value_heads") or heads)
     head_dim = int(layer.get("head_dim") or hidden // heads)
+    served = _served_config(raw, layout)
     fc = tensors["fc.weight"]
     aux_ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
-    num_aux = len(aux_ids) if aux_ids else 3
-    if fc.shape[1] % num_aux:
+    declared_aux = served.get("num_aux_hidden_states")  # vLLM sizes fc by it first
+    if declared_aux is not None and aux_ids and int(declared_aux) != len(aux_ids):
+        raise CheckpointError(f"the config declares num_aux_hidden_states={declared_aux} but names {len(aux_ids)} "
+                              f"feature layers {list(aux_ids)}")
+    num_aux = int(declared_aux) if declared_aux is not None else len(aux_ids) if aux_ids else 3
+    if num_aux < 1 or fc.shape[1] % num_aux:
         raise CheckpointError(f"fc.weight {list(fc.shape)} is not {num_aux} target hidden states wide")
     target_hidden = int(raw.get("target_hidden_size") or layer.get("target_hidden_size") or fc.shape[1] // num_aux)
     vocab = int(need("vocab_size"))
@@ -281,14 +304,16 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
     model_type = "qwen3" if "midlayer.self_attn.q_norm.weight" in tensors else "llama"
 
     def flag(key: str, default: bool) -> bool:
-        for source in (raw, eagle_cfg, layer):
+        # where vLLM reads each flag: norm_before_fc from eagle_config first, the others from the config alone
+        sources = (eagle_cfg, served) if key == "norm_before_fc" else (served,)
+        for source in sources:
             if source.get(key) is not None:
                 return bool(source[key])
         return default
 
     parallel_token = None
     if MASK_HIDDEN in tensors:
-        found = [s[k] for k in PARALLEL_TOKEN_KEYS for s in (raw, layer) if s.get(k) is not None]
+        found = [served[k] for k in PARALLEL_TOKEN_KEYS if served.get(k) is not None]  # vLLM's order
         if not found:
             raise CheckpointError(f"the weights hold {MASK_HIDDEN} (a P-EAGLE parallel drafter) but the config names "
                                   f"no mask-slot token ({', '.join(PARALLEL_TOKEN_KEYS)})")
