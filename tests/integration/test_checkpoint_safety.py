@@ -293,3 +293,17 @@ def test_output_folder_never_contains_an_input(tmp_path):
     with pytest.raises(SlimSpecError, match="--init must be"):
         slimspec.convert(str(tmp_path / "models" / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o", init="whitend",
                          progress=False)
+
+
+def test_output_files_are_readable_as_the_umask_allows(tmp_path):
+    """Catches weights written 0600 (safetensors' own mode) beside a 0644 config: a vLLM server running as another
+    user then cannot read the model it is pointed at. Every file of a conversion gets the mode the umask gives."""
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    write_target(tmp_path / "t")
+    old = os.umask(0o022)
+    try:
+        slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "c", progress=False)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "c").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes

@@ -165,9 +165,17 @@ def model_card(*, drafter_id: str, target_id: str, rank: int, hidden: int, repor
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """safetensors file with contiguous, unshared tensors."""
+    """safetensors file with contiguous, unshared tensors, readable as the umask allows (safetensors writes 0600:
+    a server running as another user could not read the weights beside their world-readable config)."""
     save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(path),
               metadata=metadata or {"format": "pt"})
+    Path(path).chmod(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
