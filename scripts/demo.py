@@ -56,7 +56,7 @@ def main() -> int:
     eval_seconds = time.perf_counter() - eval_started
     record_tau(result.out, ev)
     d, rank = r["hidden_size"], r["rank"]
-    source_rows = r["head_params_source"] // d
+    source_rows = r["head_rows_source"]
     where = resolve_device(ev["device"])  # nu and kappa where tau was measured (a GPU when there is one)
     lat = head_latency(r["head_vocab"], d, rank, batch=1, source_vocab=source_rows, device=where)
     model, _, parts, _ = load_for_eval(str(result.out), target)

@@ -15,6 +15,11 @@ from slimspec.errors import SlimSpecError, first_line
 JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "init", "distill_steps", "data",
             "num_prompts", "responses", "max_new_tokens", "overwrite", "push_to", "eval_prompts", "revision",
             "generation_engine", "generation_dtype", "target_revision", "device"}
+INT_KEYS = {"distill_steps": 0, "num_prompts": 0, "max_new_tokens": 1, "eval_prompts": 0}  # smallest value each
+CHOICES = {"vocab": ("full", "draft"), "stitch": ("target", "zero", "scaled"), "init": ("auto", "svd", "whitened"),
+           "dtype": ("bf16", "fp16", "fp32", None), "responses": ("regenerate", "reference", "none"),
+           "generation_engine": ("transformers", "static"),
+           "generation_dtype": ("auto", "bfloat16", "float32", "float16")}
 SETTINGS = ("drafter", "target", "rank", "vocab", "dtype", "stitch", "init", "distill_steps", "data", "num_prompts",
             "responses", "max_new_tokens", "revision")
 
@@ -46,7 +51,13 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
 
             data = yaml.safe_load(text)
         elif path.suffix == ".jsonl":
-            rows = [json.loads(line) for line in text.split("\n") if line.strip()]
+            rows = []
+            for number, line in enumerate(text.split("\n"), start=1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as exc:  # its own "line 1": name the file's line instead
+                        raise ValueError(f"line {number}: {exc.msg} at column {exc.colno}") from None
             header = bool(rows) and isinstance(rows[0], dict) and set(rows[0]) == {"defaults"}
             data = {"defaults": rows[0]["defaults"] if header else {}, "jobs": rows[1:] if header else rows}
         else:
@@ -71,6 +82,7 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
             raise SlimSpecError(f"{path}: job {i + 1} has unknown option(s) {', '.join(sorted(unknown))}")
         if "drafter" not in merged:
             raise SlimSpecError(f"{path}: job {i + 1} has no drafter")
+        _check_values(merged, f"{path}: job {i + 1}")
         merged.setdefault("name", merged.get("out") or f"job{i + 1}")
         jobs.append(merged)
     outs = [Path(str(job["out"])).resolve() for job in jobs if job.get("out")]
@@ -78,6 +90,22 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
     if shared:  # each would replace the other's output, on every run
         raise SlimSpecError(f"{path}: several jobs write to {', '.join(shared)}; give each job its own out")
     return jobs
+
+
+def _check_values(job: dict[str, Any], where: str) -> None:
+    """Option values of the wrong type or out of range fail the whole manifest before any job runs."""
+    for key, least in INT_KEYS.items():
+        value = job.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise SlimSpecError(f"{where}: {key} must be an integer >= {least}, got {value!r}")
+    for key, allowed in CHOICES.items():
+        if key in job and job[key] not in allowed:
+            shown = ", ".join(str(a) for a in allowed if a is not None)
+            raise SlimSpecError(f"{where}: {key} must be one of {shown}, got {job[key]!r}")
+    if "overwrite" in job and not isinstance(job["overwrite"], bool):
+        raise SlimSpecError(f"{where}: overwrite must be true or false, got {job['overwrite']!r}")
+    if "rank" in job and (isinstance(job["rank"], bool) or not isinstance(job["rank"], (int, str))):
+        raise SlimSpecError(f"{where}: rank must be d/N, an integer or energy:F, got {job['rank']!r}")
 
 
 def job_fingerprint(job: dict[str, Any]) -> str:
@@ -190,8 +218,9 @@ def run_batch(manifest: Path, *, continue_on_error: bool = False, report_path: P
                 start = time.perf_counter()
                 try:
                     result = run_job(job)
-                except SlimSpecError as exc:
-                    result = JobResult(job=job["name"], status="failed", error=str(exc))
+                except SlimSpecError as exc:  # the library's advice, in a manifest's words
+                    message = str(exc).replace("use --overwrite", "set overwrite: true in the job")
+                    result = JobResult(job=job["name"], status="failed", error=message)
                 except Exception as exc:  # a job must never take the batch down with a traceback
                     first = first_line(exc, default="")
                     result = JobResult(job=job["name"], status="failed", error=f"{type(exc).__name__}: {first}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -11,6 +12,20 @@ import click
 
 from slimspec import __version__
 from slimspec.errors import SlimSpecError, SlimSpecWarning
+
+
+class FiniteFloat(click.FloatRange):
+    """A float in range that is also finite (click's FloatRange lets nan through every bound)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if number != number or number in (float("inf"), float("-inf")):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+NON_NEGATIVE = FiniteFloat(min=0.0)
+POSITIVE = FiniteFloat(min=0.0, min_open=True)  # (--lr, --teacher-temperature: DistillConfig says it in its words)
 
 
 def _fail(message: str) -> None:
@@ -40,6 +55,11 @@ class SlimSpecGroup(click.Group):
             _fail(f"{exc.format_message()} (see {where} --help)")
         except KeyboardInterrupt:
             _fail("interrupted (nothing was written)")
+        except OSError as exc:  # an output that cannot be made, a file that cannot be read: one line, not a trace
+            if os.environ.get("SLIMSPEC_DEBUG"):
+                raise
+            where = f"{exc.filename}: " if exc.filename else ""
+            _fail(f"{where}{exc.strerror or exc} (SLIMSPEC_DEBUG=1 shows the traceback)")
         finally:
             warnings.showwarning = shown
 
@@ -66,7 +86,7 @@ def data_options(func):
                      "the data set's reference answer (no generation), or nothing."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
                      help="Length of regenerated answers."),
-        click.option("--temperature", type=float, default=0.0, show_default=True,
+        click.option("--temperature", type=NON_NEGATIVE, default=0.0, show_default=True,
                      help="0: greedy answers; > 0: sampled."),
         click.option("--generation-engine", type=click.Choice(["transformers", "static"]), default="transformers",
                      show_default=True,
@@ -98,7 +118,8 @@ def data_options(func):
         click.option("--teacher-temperature", type=float, default=1.0, show_default=True,
                      help="Distil against softmax(teacher logits / T): below 1 sharpens the teacher toward its "
                           "argmax (the token greedy verification accepts); the reported held-out KL stays at T=1."),
-        click.option("--ttt-steps", type=int, default=3, show_default=True, help="Training-time-test unroll."),
+        click.option("--ttt-steps", type=click.IntRange(min=1), default=3, show_default=True,
+                     help="Training-time-test unroll."),
         click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak AdamW learning rate."),
         click.option("--warmup-steps", type=int, default=10, show_default=True,
                      help="Linear warmup to --lr, then cosine decay to a tenth of it."),
@@ -150,6 +171,34 @@ def _data_and_config(kw: dict, steps: int):
     return options, cfg
 
 
+def _given(ctx: click.Context, name: str) -> bool:
+    return ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+
+
+def _is_local(name: str) -> bool:
+    from slimspec import embedded
+
+    return embedded.is_embedded(name) or Path(name).expanduser().exists()
+
+
+def _refuse_unused_convert_options(ctx: click.Context, drafter: str, target: str | None, rank: str, vocab: str,
+                                   revision: str | None, target_revision: str | None, push_to: str | None) -> None:
+    """Options this conversion would ignore (or record wrongly) are refused before any work; so is a bad --push-to."""
+    if _given(ctx, "kappa") and rank != "auto":
+        raise click.UsageError("--kappa weighs the candidates of --rank auto; give --rank auto or drop it")
+    if _given(ctx, "stitch") and vocab != "full":
+        raise click.UsageError("--stitch fills the rows a --vocab full head adds; --vocab draft adds none")
+    if revision and _is_local(drafter):
+        raise click.UsageError(f"--revision pins a Hub drafter; {drafter} is local")
+    if target_revision and target and _is_local(target):
+        raise click.UsageError(f"--target-revision pins a Hub target; {target} is local")
+    if push_to:
+        from slimspec.hub import HUB_ID
+
+        if not HUB_ID.match(push_to):
+            raise click.UsageError(f"--push-to {push_to!r} is not a Hub repo id (owner/name)")
+
+
 RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "overwrite", "distill_steps", "num_prompts",
                      "push_to", "as_json", "quiet", "device"}
 """The convert options --rank auto honours; it refuses the others rather than ignore them."""
@@ -163,7 +212,7 @@ RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "over
               help="d/N, an integer, energy:F (smallest r keeping share F of the head's squared singular values), "
                    "or auto (measure nu and tau at d/4..d/32, each briefly distilled with --distill-steps [60] on "
                    "--num-prompts [64] shipped prompts; keep the best predicted rho_TPS at --kappa).")
-@click.option("--kappa", type=float, default=0.5, show_default=True,
+@click.option("--kappa", type=POSITIVE, default=0.5, show_default=True,
               help="--rank auto: the head's share of a draft+verify cycle (measure it with slimspec bench --kappa).")
 @click.option("--vocab", type=click.Choice(["full", "draft"]), default="full", show_default=True,
               help="full: head over the whole target vocabulary (draft rows from the drafter, the rest from the "
@@ -181,7 +230,7 @@ RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "over
               help="svd: optimal for ||W - W_up W_down||; whitened: optimal for ||(W - W_up W_down) X|| over the "
                    "drafter's real activations X (needs the target and calibration data); auto: whitened when "
                    "--distill-steps > 0 (half the starting KL on the reference drafter), else svd.")
-@click.option("--distill-steps", type=int, default=0, show_default=True,
+@click.option("--distill-steps", type=click.IntRange(min=0), default=0, show_default=True,
               help="Then distil the pair for N steps under full-vocabulary KL (against --teacher).")
 @data_options
 @click.option("--push-to", help="After a successful conversion, push the folder to this Hub repo id.")
@@ -200,6 +249,7 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
     from slimspec.convert.pipeline import convert as run_convert
 
     ctx = click.get_current_context()
+    _refuse_unused_convert_options(ctx, drafter, target, rank, vocab, revision, target_revision, push_to)
     options, cfg = _data_and_config(kw, distill_steps)
     if rank == "auto":
         from slimspec.convert.pipeline import ConvertResult, model_name
@@ -214,7 +264,8 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
         target = target or target_of(drafter)
         out = out or Path(f"{model_name(drafter)}-slimspec-auto")
         best, _ = convert_rank_auto(drafter, target, out, kappa=kappa, vocab=vocab,
-                                    distill_steps=distill_steps or 60, calibration_prompts=options.num_prompts or 64,
+                                    distill_steps=distill_steps if _given(ctx, "distill_steps") else 60,
+                                    calibration_prompts=options.num_prompts or 64,
                                     overwrite=overwrite, progress=not quiet, device=options.device)
         saved = json.loads((out / "slimspec.json").read_text())
         result = ConvertResult(out=out, rank=saved["rank"], report=saved)
@@ -272,21 +323,23 @@ def _print_convert_report(report: dict) -> None:
 @click.argument("checkpoint", required=False)
 @click.option("--target", "-t", help="Target model (default: the one recorded in the checkpoint).")
 @click.option("--from-scratch", is_flag=True, help="Train a whole new EAGLE-3 drafter for --target (no CHECKPOINT).")
-@click.option("--draft-vocab", type=int, default=8192, show_default=True,
+@click.option("--draft-vocab", type=click.IntRange(min=1), default=8192, show_default=True,
               help="--from-scratch: draft vocabulary size (most frequent tokens of the target's answers).")
-@click.option("--head-rank", type=int, help="--from-scratch: a SlimSpec head of this rank instead of a full one.")
+@click.option("--head-rank", type=click.IntRange(min=1),
+              help="--from-scratch: a SlimSpec head of this rank instead of a full one.")
 @click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True,
               help="--from-scratch: decoder layers (the EAGLE-3 layer, then plain ones over its hidden state, as "
                    "speculators' multi-layer drafters; vLLM serves them all).")
-@click.option("--steps", type=int, default=100, show_default=True, help="Optimizer steps.")
+@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True, help="Optimizer steps.")
 @click.option("--train-backbone", is_flag=True, help="Train the whole drafter, not only the head (with --teacher "
               "drafter the source drafter's own states stay the teacher's).")
 @click.option("--backbone-lr", type=float, help="--train-backbone: peak lr of the backbone [default: --lr].")
-@click.option("--save-every", type=int, default=0, show_default=True,
+@click.option("--save-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Write a resumable checkpoint every M steps (0: off).")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint of an interrupted run (same options).")
 @click.option("--out", "-o", type=click.Path(path_type=Path),
-              help="Output folder [default: ./<checkpoint-name>-distilled].")
+              help="Output folder [default: ./<checkpoint-name>-distilled]. It may be CHECKPOINT itself: the "
+                   "distilled head then replaces it, only once the run has succeeded.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @data_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
@@ -446,14 +499,14 @@ def bench_group() -> None:
               help="SlimSpec head vocabularies (comma separated): full (stitched target vocabulary) and/or draft "
                    "(the drafter's own; skipped if it has none).")
 @click.option("--trim-sizes", default="1024,4096", show_default=True, help="Vocabulary-trimming sizes.")
-@click.option("--distill-steps", type=int, default=60, show_default=True,
+@click.option("--distill-steps", type=click.IntRange(min=0), default=60, show_default=True,
               help="Head-only distillation steps of each SlimSpec point (the drafter teacher).")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=8, show_default=True,
               help="mt_bench prompts for tau.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=96, show_default=True,
               help="Tokens generated per prompt.")
 @click.option("--kappa", "kappas", default="0.25,0.5,1.0", show_default=True, help="Iso-speedup curves.")
-@click.option("--calibration-prompts", type=int, default=64, show_default=True,
+@click.option("--calibration-prompts", type=click.IntRange(min=1), default=64, show_default=True,
               help="Shipped prompts (answers regenerated) for distillation and VocabTrim counts.")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("out/plane"), show_default=True,
               help="Folder for the converted and trimmed drafters, plane.json, plane.md and plane.png.")
@@ -474,15 +527,18 @@ def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_
     resolve_device(device)
     if any(v not in ("full", "draft") for v in vocabs.split(",")):
         raise click.BadParameter(f"expected full and/or draft, got {vocabs!r}", param_hint="--vocab")
+    sizes = _number_list(trim_sizes, int, "--trim-sizes")
+    curves = _number_list(kappas, float, "--kappa")
+    _check_ranks(drafter, ranks.split(","))
     if target is None:
         from slimspec.evaluate.acceptance import target_of
 
         target = target_of(drafter)
     points = build_plane(drafter, target, out, ranks=tuple(ranks.split(",")), vocabs=tuple(vocabs.split(",")),
-                         trim_sizes=tuple(int(x) for x in trim_sizes.split(",")), distill_steps=distill_steps,
+                         trim_sizes=tuple(sizes), distill_steps=distill_steps,
                          num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                          calibration_prompts=calibration_prompts, device=device)
-    report = plane_report(points, tuple(float(k) for k in kappas.split(",")), out, f"{drafter} on {target}")
+    report = plane_report(points, tuple(curves), out, f"{drafter} on {target}")
     if as_json:
         click.echo(json.dumps(report))
         return
@@ -490,20 +546,63 @@ def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_
     click.echo(f"plot: {report['png']}")
 
 
+def _png_path(path: Path, hint: str) -> Path:
+    """A PNG file path that can be written (``.png`` added when it has no suffix), checked before any work."""
+    if path.suffix == "":
+        path = path.with_suffix(".png")
+    if path.suffix.lower() != ".png":
+        raise click.BadParameter(f"{path} is not a .png path (the plot is a PNG)", param_hint=hint)
+    if path.is_dir():
+        raise click.BadParameter(f"{path} is a folder", param_hint=hint)
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise click.BadParameter(f"cannot write {path}: {parent} is a file", param_hint=hint)
+    return path
+
+
+def _number_list(text: str, kind: type, hint: str) -> list:
+    """Comma-separated positive numbers, or a usage error naming the option (checked before any measurement)."""
+    try:
+        values = [kind(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise click.BadParameter(f"expected comma-separated positive numbers, got {text!r}", param_hint=hint)
+    return values
+
+
+def _check_ranks(drafter: str, ranks: list[str]) -> None:
+    """Every rank spec must resolve against the drafter's hidden size before the plane spends an hour measuring."""
+    import torch
+
+    from slimspec.checkpoint import load_drafter
+    from slimspec.convert.rank import RankError, parse_rank
+    from slimspec.hub import resolve_model
+
+    hidden = load_drafter(resolve_model(drafter, "drafter")).config.hidden_size
+    for spec in ranks:
+        try:
+            parse_rank(spec, hidden, torch.ones(hidden))  # energy:F is checked for its form (the spectrum comes later)
+        except RankError as exc:
+            raise click.BadParameter(str(exc), param_hint="--ranks") from None
+
+
 @bench_group.command(name="head")
 @click.argument("checkpoint", required=False)
-@click.option("--vocab", type=int, help="Head rows V (without CHECKPOINT).")
-@click.option("--hidden", type=int, help="Hidden size d (without CHECKPOINT).")
-@click.option("--rank", type=int, help="Rank r (without CHECKPOINT).")
-@click.option("--source-vocab", type=int, help="Rows of the full head compared against [default: V].")
-@click.option("--batch", "batches", type=int, multiple=True, help="Batch sizes [default: 1 and 64].")
+@click.option("--vocab", type=click.IntRange(min=1), help="Head rows V (without CHECKPOINT).")
+@click.option("--hidden", type=click.IntRange(min=1), help="Hidden size d (without CHECKPOINT).")
+@click.option("--rank", type=click.IntRange(min=1), help="Rank r (without CHECKPOINT).")
+@click.option("--source-vocab", type=click.IntRange(min=1), help="Rows of the full head compared against [default: V].")
+@click.option("--batch", "batches", type=click.IntRange(min=1), multiple=True, help="Batch sizes [default: 1 and 64].")
 @click.option("--dtype", "dtypes", type=click.Choice(["fp32", "bf16", "fp16"]), multiple=True,
               help="Dtypes [default: fp32].")
 @click.option("--kappa", "with_kappa", is_flag=True,
               help="Also measure kappa (head time / rest of a draft+verify cycle) with CHECKPOINT on its target, "
                    "in the first --dtype.")
 @click.option("--target", "-t", help="Target for --kappa (default: the checkpoint's).")
-@click.option("--rho-tau", type=float, help="Acceptance ratio for the predicted end-to-end speed-up [default: the "
+@click.option("--rho-tau", type=POSITIVE, help="Acceptance ratio for the predicted end-to-end speed-up [default: the "
               "checkpoint's recorded rho_tau (--rank auto), else 1].")
 @click.option("--device", default="auto", show_default=True,
               help="Where the heads (and, with --kappa, the drafter and the target) are timed: auto ($SLIMSPEC_DEVICE "
@@ -523,6 +622,10 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
 
     if any(b <= 0 for b in batches):
         raise click.BadParameter("batch sizes must be > 0", param_hint="--batch")
+    if checkpoint and any(x is not None for x in (vocab, hidden, rank)):
+        raise click.UsageError("--vocab, --hidden and --rank describe a head without CHECKPOINT (it has its own)")
+    if rank is not None and hidden is not None and rank >= hidden:
+        raise click.BadParameter(f"{rank} is not below --hidden {hidden} (0 < r < d)", param_hint="--rank")
     if checkpoint:
         from slimspec.checkpoint import load_drafter
         from slimspec.hub import resolve_model
@@ -535,7 +638,8 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
         vocab, rank, hidden = up.shape[0], down.shape[0], down.shape[1]
         report_path = folder / "slimspec.json"
         saved = json.loads(report_path.read_text()) if report_path.exists() else {}
-        source_vocab = source_vocab or (saved.get("head_params_source", 0) // hidden or None)
+        source_vocab = source_vocab or saved.get("head_rows_source") or (saved.get("head_params_source", 0) // hidden
+                                                                        or None)
         rho_tau = rho_tau or saved.get("rho_tau")
     elif vocab is None or hidden is None or rank is None:
         raise click.UsageError("give a CHECKPOINT or --vocab, --hidden and --rank")
@@ -589,7 +693,7 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
               help="Tokens generated per prompt.")
 @click.option("--draft-tokens", "-k", type=click.IntRange(min=1), default=4, show_default=True,
               help="Draft chain length K.")
-@click.option("--temperature", type=float, default=0.0, show_default=True,
+@click.option("--temperature", type=NON_NEGATIVE, default=0.0, show_default=True,
               help="0: greedy (output identical to the target's); > 0: speculative sampling.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of speculative sampling (T > 0).")
 @click.option("--baseline", help="A second drafter measured in the same run (rho_tau = tau / tau_baseline).")
@@ -645,6 +749,7 @@ def inspect(drafter: str, target: str | None, plot: Path | None, as_json: bool) 
     if plot is not None:
         from slimspec.plotting import pyplot
 
+        plot = _png_path(plot, "--plot")
         pyplot()
     info = inspect_drafter(drafter, target, plot)
     if as_json:

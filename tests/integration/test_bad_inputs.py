@@ -57,6 +57,14 @@ def test_corrupt_config(tmp_path, pair):
     _assert_clean_failure(_run([pair[0], "-t", pair[1]], tmp_path), tmp_path, "not valid JSON")
 
 
+def test_config_value_of_the_wrong_type(tmp_path, pair):
+    """Catches a ValueError traceback (int("abc")) for a config field of the wrong type."""
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config["hidden_size"] = "abc"
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    _assert_clean_failure(_run([pair[0], "-t", pair[1]], tmp_path), tmp_path, "value of the wrong type")
+
+
 def test_missing_weights(tmp_path, pair):
     os.remove(tmp_path / "d" / "pytorch_model.bin")
     _assert_clean_failure(_run([pair[0], "-t", pair[1]], tmp_path), tmp_path, "no weights found")

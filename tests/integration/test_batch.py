@@ -109,10 +109,28 @@ def test_bad_manifest_is_one_line(tmp_path):
     assert [job["drafter"] for job in read_manifest(tmp_path / "m.jsonl")] == ["x"]
     for name, text, needle in (
             ("d.yaml", "defaults: [1]\njobs: [{drafter: x}]", "defaults must be a mapping"),
-            ("o.yaml", "jobs: [{drafter: a, out: same}, {drafter: b, out: ./same}]", "several jobs write to")):
+            ("o.yaml", "jobs: [{drafter: a, out: same}, {drafter: b, out: ./same}]", "several jobs write to"),
+            # values are checked before the first job runs, not when their own job comes
+            ("t.yaml", "jobs: [{drafter: a}, {drafter: b, distill_steps: many}]",
+             "job 2: distill_steps must be an integer >= 0, got 'many'"),
+            ("v.yaml", "jobs: [{drafter: a, vocab: draftt}]", "vocab must be one of full, draft"),
+            ("w.yaml", "jobs: [{drafter: a, overwrite: 'yes'}]", "overwrite must be true or false"),
+            # JSON lines: the file's line, not the line inside the one row json saw
+            ("l.jsonl", '{"drafter": "a"}\n{"drafter": b}\n', "line 2: Expecting value at column 13")):
         (tmp_path / name).write_text(text)
         result = CliRunner().invoke(main, ["batch", str(tmp_path / name)])
         assert result.exit_code == 2 and needle in result.stderr and result.stderr.count("\n") == 1, result.output
+
+
+def test_existing_output_failure_names_the_manifest_option(tmp_path):
+    """Catches a batch failure advising `--overwrite`, a CLI flag that a manifest cannot take."""
+    _setup(tmp_path)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump({"jobs": [
+        {"drafter": str(tmp_path / "d1"), "target": str(tmp_path / "t"), "out": str(tmp_path / "taken")}]}))
+    result, rows = _run(tmp_path / "m.yaml")
+    error = rows[str(tmp_path / "taken")]["error"]
+    assert result.exit_code == 1 and "set overwrite: true in the job" in error and "--overwrite" not in error
 
 
 def test_rerun_with_eval_prompts_measures_and_records_tau(tiny_target, tmp_path):

@@ -25,8 +25,22 @@ def _one_line_failure(result, needle: str) -> None:
      "takes no --stitch, --lr"),
     (["convert", "embedded:smollm2-135m-eagle3", "--warmup-steps", "-1", "--distill-steps", "2"],
      "--warmup-steps must be >= 0"),
-    (["bench", "--vocab", "100", "--hidden", "16", "--rank", "0"], "must be > 0"),
-    (["bench", "--vocab", "100", "--hidden", "16", "--rank", "-3"], "must be > 0"),
+    (["bench", "--vocab", "100", "--hidden", "16", "--rank", "0"], "--rank"),
+    (["bench", "--vocab", "100", "--hidden", "16", "--rank", "-3"], "--rank"),
+    (["bench", "--vocab", "100", "--hidden", "16", "--rank", "16"], "0 < r < d"),
+    (["bench", "embedded:smollm2-135m-eagle3", "--vocab", "100"], "without CHECKPOINT"),
+    (["eval", "embedded:smollm2-135m-eagle3", "--temperature", "nan"], "not a finite number"),
+    (["eval", "embedded:smollm2-135m-eagle3", "--temperature", "-1"], "--temperature"),
+    (["distill", "embedded:smollm2-135m-eagle3", "--steps", "-1"], "--steps"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--distill-steps", "-5"], "--distill-steps"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--kappa", "0.3"], "--kappa weighs the candidates of --rank auto"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--vocab", "draft", "--stitch", "zero"], "--stitch fills"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--revision", "v1"], "--revision pins a Hub drafter"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--push-to", "bad id"], "not a Hub repo id"),
+    (["bench", "plane", "embedded:smollm2-135m-eagle3", "--kappa", "abc"], "--kappa"),
+    (["bench", "plane", "embedded:smollm2-135m-eagle3", "--trim-sizes", "x"], "--trim-sizes"),
+    (["bench", "plane", "embedded:smollm2-135m-eagle3", "--ranks", "d/8,d/0"], "--ranks"),
+    (["inspect", "embedded:smollm2-135m-eagle3", "--plot", "p.txt"], "not a .png path"),
     (["bench", "--vocab", "100", "--hidden", "16", "--rank", "4", "--batch", "0"], "--batch"),
     (["convert"], "Missing argument 'DRAFTER'"),
     (["eval", "embedded:smollm2-135m-eagle3", "--max-new-tokens", "0"], "--max-new-tokens"),
@@ -42,6 +56,21 @@ def test_bad_option_values_fail_in_one_line(args, needle, tmp_path, monkeypatch)
     result = CliRunner().invoke(main, args)
     _one_line_failure(result, needle)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_outputs_that_cannot_be_made_fail_before_any_work(tmp_path, monkeypatch):
+    """Catches a FileExistsError / FileNotFoundError traceback after the whole conversion (or inspection) has run,
+    when an output's parent is a file; other OS errors (here: a report folder) end in one line too."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    _one_line_failure(CliRunner().invoke(main, ["convert", "embedded:smollm2-135m-eagle3", "--vocab", "draft",
+                                                "-o", "afile/sub"]), "afile is a file, not a folder")
+    _one_line_failure(CliRunner().invoke(main, ["inspect", "embedded:smollm2-135m-eagle3", "--plot",
+                                                "afile/p.png"]), "is a file")
+    (tmp_path / "m.json").write_text(json.dumps([{"drafter": "x"}]))
+    (tmp_path / "folder").mkdir()
+    _one_line_failure(CliRunner().invoke(main, ["batch", "m.json", "--report", "folder"]), "folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "folder", "m.json"]
 
 
 def test_eval_dataset_that_is_a_folder(tmp_path):

@@ -73,6 +73,33 @@ def test_draft_vocab_keeps_d2t(tmp_path):
     assert json.loads((tmp_path / "o" / "config.json").read_text())["draft_vocab_size"] == 97
 
 
+def test_a_conversion_converted_again_only_shrinks(tmp_path):
+    """Catches re-converting a SlimSpec output at a rank at or above its own (a pair padded with zero directions,
+    reported as "energy kept 1.0000") and its source head counted as the full V x d matrix it no longer is; and a
+    rank whose pair outweighs the full head passing without a word."""
+    import warnings
+
+    from slimspec.errors import SlimSpecError, SlimSpecWarning
+
+    write_drafter(tmp_path / "d", "eagle", Spec(draft_vocab=97))
+    write_target(tmp_path / "t")
+    slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 8, vocab="draft", out=tmp_path / "r8", progress=False)
+    with pytest.raises(SlimSpecError, match="already a rank-8 pair: a rank-8 pair adds only zero directions"):
+        slimspec.convert(str(tmp_path / "r8"), None, 8, vocab="draft", out=tmp_path / "again", progress=False)
+    smaller = slimspec.convert(str(tmp_path / "r8"), None, 4, vocab="draft", out=tmp_path / "r4", progress=False)
+    assert smaller.report["head_params_source"] == 8 * (97 + 32) and smaller.report["head_params"] == 4 * (97 + 32)
+    assert smaller.report["head_rows_source"] == 97  # what `slimspec bench` times the full head at
+    # a stitched full-vocabulary head has target rows beside the pair's: any rank below d is worth converting to
+    slimspec.convert(str(tmp_path / "r8"), str(tmp_path / "t"), 16, out=tmp_path / "full", progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 24, vocab="draft", out=tmp_path / "r24",
+                         progress=False)  # 24 x (97 + 32) = 3096 weights against 97 x 32 = 3104: still smaller
+        slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 25, vocab="draft", out=tmp_path / "r25",
+                         progress=False)  # 3225 > 3104
+    assert [str(w.message).split(":")[0] for w in caught if w.category is SlimSpecWarning] == ["rank 25"]
+
+
 def test_headless_modelopt_factorises_target_head(tmp_path):
     write_drafter(tmp_path / "d", "modelopt", Spec(no_head=True, draft_vocab=None))
     head = write_target(tmp_path / "t", tied=False)

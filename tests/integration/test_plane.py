@@ -50,6 +50,7 @@ def test_plane_and_rank_auto_on_tiny_target(tiny_target, tmp_path):
         assert distilled["config"]["teacher"] == "drafter" and distilled["config"]["steps"] == 2
         assert distilled["config"]["lr"] == brief_distillation()[1].lr
     assert all(p["rho_tau"] == pytest.approx(p["tau"] / base) for p in report["points"])
+    (tmp_path / ".auto.tmp-auto-999999999").mkdir()  # a killed run's candidates (no such process)
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tiny_target), "--rank", "auto",
                                        "--kappa", "1.0", "--vocab", "draft", "-o", str(tmp_path / "auto"),
                                        "--distill-steps", "2", "--num-prompts", "4", "--json", "-q",
@@ -65,6 +66,7 @@ def test_plane_and_rank_auto_on_tiny_target(tiny_target, tmp_path):
     folders = {p["name"]: p["folder"] for p in saved["rank_auto"]["points"]}  # no dangling temporary folders
     assert folders[best["name"]] == str(tmp_path / "auto") and Path(folders["full head"]).resolve() == tmp_path / "d"
     assert all(folder is None for name, folder in folders.items() if name not in (best["name"], "full head"))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # its own and the killed run's
 
 
 def test_rank_auto_refuses_the_source_folder_as_output(tmp_path):

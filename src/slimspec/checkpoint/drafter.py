@@ -483,7 +483,10 @@ def load_drafter(folder: str | Path) -> DrafterCheckpoint:
     if MASK_HIDDEN in tensors:  # written [n*Ht] or [1, n*Ht]; vLLM views it as one row
         tensors[MASK_HIDDEN] = tensors[MASK_HIDDEN].reshape(1, -1)
     layout = detect_layout(raw, set(mapping))
-    cfg = _build_config(raw, layout, tensors)
+    try:
+        cfg = _build_config(raw, layout, tensors)
+    except (ValueError, TypeError) as exc:  # e.g. "hidden_size": "abc"
+        raise CheckpointError(f"{folder}: config.json holds a value of the wrong type ({exc})") from None
     if "input_norm.weight" in tensors and not cfg.norm_before_fc:  # vLLM follows the flag and ignores the tensor
         del tensors["input_norm.weight"]
         dropped.append(mapping["input_norm.weight"])

@@ -188,6 +188,13 @@ def check_output_free(out: Path, overwrite: bool) -> None:
         raise SlimSpecError(f"{out} already exists (use --overwrite to replace it)")
     if out.exists() and not out.is_dir():
         raise SlimSpecError(f"{out} exists and is not a folder")
+    parent = out.absolute().parent  # the folder is made at the end: a parent it cannot be made in fails now
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise SlimSpecError(f"cannot make {out}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise SlimSpecError(f"cannot make {out}: {parent} is not writable")
 
 
 def remove_stale_temps(parent: Path, name: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,7 +25,7 @@ from slimspec.checkpoint.writer import (
 )
 from slimspec.convert.factorize import factorize, gram_matrix, relative_error, squared_singular_values
 from slimspec.convert.rank import parse_rank
-from slimspec.errors import CheckpointError, SlimSpecError
+from slimspec.errors import CheckpointError, SlimSpecError, SlimSpecWarning
 from slimspec.progress import Stages
 
 VocabMode = Literal["full", "draft"]
@@ -143,6 +144,20 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+
+def _check_rank_is_worth_it(r: int, rows: int, hidden: int, held: int | None) -> None:
+    """Refuse a rank at or above ``held``, the rank of a head that is already a low-rank pair (a SlimSpec output
+    converted again: a larger pair only adds zero directions); warn when the pair holds more weights than the full
+    head."""
+    if held is not None and r >= held:
+        raise SlimSpecError(f"the head is already a rank-{held} pair: a rank-{r} pair adds only zero directions; "
+                            f"pick r < {held}")
+    if r * (rows + hidden) >= rows * hidden:
+        warnings.warn(f"rank {r}: the pair (V x r + r x d = {r * (rows + hidden):,} weights) is no smaller than the "
+                      f"full {rows} x {hidden} head ({rows * hidden:,}); pick r < {rows * hidden // (rows + hidden)}",
+                      SlimSpecWarning, stacklevel=3)
+
+
 def convert(
     drafter: str | Path,
     target: str | Path | None = None,
@@ -236,6 +251,9 @@ def convert(
             out = Path(f"{model_name(drafter)}-slimspec-r{r}")
         check_output_free(Path(out), overwrite)
     out = Path(out)
+    source_rank = ckpt.tensors[LOWRANK_DOWN].shape[0] if ckpt.is_lowrank else None  # a SlimSpec output again
+    # its head's rank, unless target rows were stitched beside its rows
+    _check_rank_is_worth_it(r, weight.shape[0], hidden, source_rank if rows_from_drafter == weight.shape[0] else None)
     with stages.stage("factorize", f"rank-{r} factors"):
         w_up, w_down = factorize(weight, r, gram=gram)
     with stages.stage("error", "reconstruction error"):
@@ -301,7 +319,8 @@ def convert(
         "energy_kept": energy,
         "relative_frobenius_error": rel_err,
         "svd_relative_frobenius_error": svd_err,
-        "head_params_source": source_rows * hidden,
+        "head_params_source": source_rows * hidden if source_rank is None else source_rank * (source_rows + hidden),
+        "head_rows_source": source_rows,
         "head_params": r * hidden + head_vocab * r,
         "head_flop_ratio": (r * hidden + head_vocab * r) / (source_rows * hidden),
         "dtype": str(out_dtype).removeprefix("torch."),

@@ -40,7 +40,8 @@ def parse_rank(spec: str | int, hidden: int, squared_singular_values: torch.Tens
         curve = energy_curve(squared_singular_values)
         rank = int(torch.searchsorted(curve, torch.tensor(share, dtype=curve.dtype)).item()) + 1
     else:
-        raise RankError(f"cannot parse rank {spec!r}: use d/N (e.g. d/8), an integer, or energy:F (e.g. energy:0.9)")
+        raise RankError(f"cannot parse rank {spec!r}: use d/N (e.g. d/8), an integer, or energy:F (e.g. energy:0.9); "
+                        "convert also takes auto")
     if not 0 < rank < hidden:
         raise RankError(f"rank {spec!r} gives r={rank}, but it must satisfy 0 < r < d = {hidden}")
     return rank

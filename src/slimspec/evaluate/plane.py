@@ -169,17 +169,23 @@ def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float,
                       device: str | None = None) -> tuple[PlanePoint, list[PlanePoint]]:
     """``--rank auto``: measure nu(r) and rho_tau(r) for each candidate rank (each briefly distilled) and keep
     the one with the highest predicted rho_TPS at ``kappa``. The paper leaves r manual; this is ours."""
+    import os
     import shutil
-    import tempfile
 
-    from slimspec.checkpoint.writer import check_output_free
+    from slimspec.checkpoint.writer import check_output_free, remove_stale_temps
     from slimspec.convert.pipeline import check_not_the_source
     from slimspec.hub import resolve_model
 
     source = str(resolve_model(drafter, "drafter"))
     check_not_the_source(out, source)  # the chosen rank replaces ``out`` at the end
     check_output_free(out, overwrite)
-    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out.parent, out.name)
+    # the candidates' folder, named like atomic_folder's temporaries: a killed run's is swept by the next one
+    tmp = out.parent / f".{out.name}.tmp-auto-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
         points = build_plane(drafter, target, Path(tmp), ranks=ranks, vocabs=(vocab,), trim_sizes=(),
                              distill_steps=distill_steps,
                              num_prompts=num_prompts, max_new_tokens=max_new_tokens,
@@ -199,4 +205,6 @@ def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float,
             shutil.rmtree(out)
         shutil.move(best.folder, out)
         best.folder = str(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return best, points
