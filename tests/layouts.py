@@ -30,6 +30,7 @@ class Spec:
     no_head: bool = False
     layers: int = 1  # decoder layers; layers 1.. are written as layers.{i}.* (speculators' and vLLM's names)
     parallel_token: int | None = None  # a P-EAGLE drafter: mask_hidden and its mask-slot token
+    attention_bias: bool = False  # q/k/v biases in every layer, o_proj's too in Llama-style ones (vLLM's set)
     sharded: bool = False
     seed: int = 0
     extra_config: dict = field(default_factory=dict)
@@ -77,6 +78,13 @@ def canonical_tensors(spec: Spec) -> dict[str, torch.Tensor]:
         if spec.qwen3:
             t[p + "self_attn.q_norm.weight"] = norm(spec.hd)
             t[p + "self_attn.k_norm.weight"] = norm(spec.hd)
+    if spec.attention_bias:
+        for i in range(spec.layers):
+            p = "midlayer." if i == 0 else f"layers.{i}."
+            t.update({p + "self_attn.q_proj.bias": rnd(a), p + "self_attn.k_proj.bias": rnd(kv),
+                      p + "self_attn.v_proj.bias": rnd(kv)})
+            if not spec.qwen3:
+                t[p + "self_attn.o_proj.bias"] = rnd(h)
     if spec.parallel_token is not None:
         t["mask_hidden"] = rnd(1, 3 * spec.target_hidden)
     if spec.fc_norm:
@@ -114,6 +122,8 @@ def _llama_config(spec: Spec) -> dict:
         "hidden_act": "silu",
         "model_type": "qwen3" if spec.qwen3 else "llama",
     }
+    if spec.attention_bias:
+        cfg["attention_bias"] = True
     if spec.head_dim:
         cfg["head_dim"] = spec.head_dim
     return cfg

@@ -190,11 +190,12 @@ class Eagle3Attention(nn.Module):
             raise ValueError(f"{cfg.num_attention_heads} heads do not share {cfg.num_key_value_heads} kv heads")
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h2 = 2 * cfg.hidden_size if width is None else width
-        self.q_proj = nn.Linear(h2, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h2, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h2, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.model_type == "qwen3"
+        bias = cfg.attention_bias  # vLLM: q/k/v biases in every style, o_proj's in Llama-style layers only
+        self.q_proj = nn.Linear(h2, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h2, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h2, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias and not self.qk_norm)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)

@@ -521,6 +521,51 @@ def test_parallel_drafter_is_served_as_the_reference_decoder_runs_it(target, bas
     assert served["tau"] == report["tau"], "evaluate_vllm did not draft the P-EAGLE drafter in one pass"
 
 
+def _biased_drafter(folder: Path, scale: float = 8.0) -> Path:
+    """The embedded drafter with ``attention_bias``: random q/k/v/o biases (N(0, scale^2); at 8 they move its tau on
+    these prompts from 1.62 to 1.40), the set vLLM's Llama-style Eagle3 layer builds under that flag."""
+    source = Path(embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False))
+    shutil.copytree(source, folder)
+    tensors = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    config = json.loads((folder / "config.json").read_text())
+    widths = {"q": config["num_attention_heads"] * config["head_dim"], "o": config["hidden_size"],
+              "k": config["num_key_value_heads"] * config["head_dim"]}
+    widths["v"] = widths["k"]
+    g = torch.Generator().manual_seed(0)
+    for name in "qkvo":
+        tensors[f"midlayer.self_attn.{name}_proj.bias"] = (torch.randn(widths[name], generator=g) * scale).half()
+    torch.save(tensors, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    return folder
+
+
+def test_attention_bias_drafter_is_served_as_the_reference_decoder_runs_it(target, baseline, tmp_path):
+    """A drafter with attention biases (vLLM builds them under ``attention_bias``; "parallel drafting checkpoints may
+    have attention bias enabled") before conversion (vLLM's own class) and after (the plugin, SVD at rank 432 over the
+    draft vocabulary): vLLM's tau must equal the reference decoder's, which runs the biases, and differ from the
+    drafter's without them. Catches biases dropped by the reader or the writer, or a config that no longer says
+    attention_bias (vLLM then refuses the bias weights or leaves its own unset)."""
+    from slimspec.evaluate.acceptance import evaluate
+
+    source = _biased_drafter(tmp_path / "biased")
+    converted = slimspec.convert(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
+                                 out=tmp_path / "converted", progress=False).out
+    prompts = _prompts()[:4]
+    plain = evaluate(embedded.EMBEDDED_DRAFTER, embedded.EMBEDDED_TARGET, num_prompts=len(prompts),
+                     max_new_tokens=MAX_NEW_TOKENS, draft_tokens=DRAFT_TOKENS, progress=False)["tau"]
+    for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):
+        report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head"])
+        assert report["ok"], report
+        assert report["draft_model_class"] == served_class
+        assert report["outputs"] == baseline["outputs"][:len(prompts)], "speculation changed the greedy output"
+        _head_ok(report)
+        ours = evaluate(str(drafter), embedded.EMBEDDED_TARGET, num_prompts=len(prompts), max_new_tokens=MAX_NEW_TOKENS,
+                        draft_tokens=DRAFT_TOKENS, progress=False)["tau"]
+        print(f"\n[vllm] attention_bias {drafter.name}: vLLM tau {report['tau']:.4f}, reference {ours:.4f} "
+              f"(without the biases: {plain:.4f})")
+        assert report["tau"] > 1.1 and abs(report["tau"] - ours) <= 0.02 and abs(ours - plain) >= 0.1
+
+
 _SERVED_FLAGS = """
 import json, sys
 from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig

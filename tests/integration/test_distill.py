@@ -143,13 +143,15 @@ def test_multi_layer_drafter_converts_distils_and_keeps_its_layers(tiny_target, 
     output must declare and carry both (vLLM builds num_hidden_layers of them), its backbone must compute exactly
     the source's states, and the whitened start and the distillation must run through both layers. As a P-EAGLE
     drafter (speculators' peagle), the output must keep mask_hidden and name its mask-slot token (vLLM's parallel
-    drafting needs both), and its card must serve it with parallel_drafting."""
+    drafting needs both), and its card must serve it with parallel_drafting; it also has attention biases (vLLM:
+    "parallel drafting checkpoints may have attention bias enabled"), which must come through bit-exact with the
+    attention_bias flag."""
     from slimspec.checkpoint import load_drafter
     from slimspec.model import Eagle3Drafter
 
     source = tmp_path / "drafter"
     write_drafter(source, "speculators", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32, layers=2,
-                                              parallel_token=7 if parallel else None,
+                                              parallel_token=7 if parallel else None, attention_bias=parallel,
                                               extra_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))
     res = slimspec.convert(str(source), str(tiny_target), 8, vocab="draft", out=tmp_path / "o", init="whitened",
                            distill_steps=10, data_options=FEW, progress=False,
@@ -159,7 +161,11 @@ def test_multi_layer_drafter_converts_distils_and_keeps_its_layers(tiny_target, 
     src, out = load_drafter(source), load_drafter(res.out)
     assert out.config.num_layers == 2
     later = {k for k in src.tensors if k.startswith("layers.1.")}
-    assert len(later) == 9 and all(torch.equal(out.tensors[k], src.tensors[k]) for k in later)
+    assert len(later) == (13 if parallel else 9) and all(torch.equal(out.tensors[k], src.tensors[k]) for k in later)
+    assert out.config.attention_bias == parallel == json.loads((res.out / "config.json").read_text()).get(
+        "attention_bias", False)
+    assert torch.equal(out.tensors.get("midlayer.self_attn.o_proj.bias", torch.zeros(0)),
+                       src.tensors.get("midlayer.self_attn.o_proj.bias", torch.zeros(0)))
     assert out.config.parallel_token_id == (7 if parallel else None)
     assert ("mask_hidden" in out.tensors) == parallel and ('"parallel_drafting":true' in
                                                          (res.out / "README.md").read_text()) == parallel

@@ -40,6 +40,7 @@ CASES = {
         None, 0, None),
     "llama-specforge-lowrank": ("specforge", Spec(kv_heads=4), None, 0, 6),
     "llama-speculators-3-layers": ("speculators", Spec(layers=3), None, 0, None),
+    "llama-eagle-2-layers-attention_bias": ("eagle", Spec(layers=2, attention_bias=True), None, 0, None),
     "qwen3-speculators-2-layers-lowrank-norm_output": (
         "speculators", Spec(qwen3=True, layers=2, head_dim=16, extra_config={"norm_output": True}), None, 7, 5),
 }
@@ -55,6 +56,7 @@ def _speculators_model(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], emb
         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
         vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps, hidden_act=cfg.hidden_act,
         num_hidden_layers=cfg.num_layers, max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
+        attention_bias=cfg.attention_bias,
     )
     layer._attn_implementation = "eager"
     config = Eagle3SpeculatorConfig(

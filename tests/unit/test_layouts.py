@@ -96,6 +96,42 @@ def test_multi_layer_drafter_loads_in_every_layout(tmp_path, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_attention_bias_drafter_loads_in_every_layout(tmp_path, layout):
+    """Catches the attention biases vLLM builds under ``attention_bias`` (q/k/v in every Eagle3 layer, o_proj's too
+    in Llama-style ones; "parallel drafting checkpoints may have attention bias enabled") refused or dropped: they
+    come through with the flag, and a conversion's config must say it again."""
+    qwen3 = layout == "speculators"
+    written = write_drafter(tmp_path / layout, layout, Spec(layers=2, attention_bias=True, qwen3=qwen3))
+    ckpt = load_drafter(tmp_path / layout)
+    _assert_same(ckpt, written)
+    assert ckpt.config.attention_bias and "layers.1.self_attn.v_proj.bias" in ckpt.tensors
+    assert ("midlayer.self_attn.o_proj.bias" in ckpt.tensors) is not qwen3  # vLLM's Qwen3 o_proj has no bias
+
+
+def test_attention_biases_must_be_the_set_vllm_builds(tmp_path):
+    """Catches biases read without attention_bias (vLLM would not build them and fails on the weights), the flag
+    without its biases (vLLM would leave them unset), a Qwen3-style o_proj bias vLLM has no place for, and an MLP
+    bias (no Eagle3 layer has one)."""
+    folder = tmp_path / "b"
+    write_drafter(folder, "eagle", Spec(attention_bias=True))
+    _edit_config(folder, attention_bias=False)
+    with pytest.raises(CheckpointError, match="hold attention biases .* does not set attention_bias"):
+        load_drafter(folder)
+    write_drafter(tmp_path / "nb", "eagle", Spec())
+    _edit_config(tmp_path / "nb", attention_bias=True)
+    with pytest.raises(CheckpointError, match=r"missing \['midlayer.self_attn.k_proj.bias'"):
+        load_drafter(tmp_path / "nb")
+    write_drafter(tmp_path / "q", "specforge", Spec(attention_bias=True, qwen3=True))
+    tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
+    save_file({**tensors, "midlayer.self_attn.o_proj.bias": torch.zeros(32)}, str(tmp_path / "q" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"qwen3-style layer: missing \[\], unexpected \['midlayer.self_attn.o_"):
+        load_drafter(tmp_path / "q")
+    save_file({**tensors, "midlayer.mlp.up_proj.bias": torch.zeros(48)}, str(tmp_path / "q" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="biases outside attention's q/k/v/o projections"):
+        load_drafter(tmp_path / "q")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_parallel_drafter_loads_in_every_layout(tmp_path, layout):
     """Catches a P-EAGLE drafter (AWS's write ``ptd_token_id``, speculators' ``peagle`` ``mask_token_id``) read as
     a plain chain drafter: ``mask_hidden`` was once dropped as a stray tensor, which vLLM then misses when it

@@ -36,6 +36,9 @@ LAYER_TENSORS = (
     "mlp.down_proj.weight",
 )
 OPTIONAL_LAYER_TENSORS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+# attention biases of a config with attention_bias (vLLM: q/k/v in every Eagle3 layer, o_proj too in Llama-style ones;
+# its comment: "Parallel drafting checkpoints may have attention bias enabled")
+BIAS_TENSORS = tuple(f"self_attn.{p}_proj.bias" for p in "qkvo")
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
 # Layers 1, 2, ... are plain decoder layers over the hidden state alone: no hidden_norm (vLLM builds one, unused).
 LATER_LAYER_TENSORS = tuple(n for n in LAYER_TENSORS if n != "hidden_norm.weight")
@@ -82,6 +85,7 @@ class DrafterConfig:
     fc_norm: bool = False
     norm_output: bool = False
     num_layers: int = 1  # decoder layers: the EAGLE-3 layer, then plain ones over the hidden state (vLLM's layer_idx)
+    attention_bias: bool = False  # q/k/v biases (and o_proj's in Llama-style layers), as vLLM builds them
     # P-EAGLE: the token of the masked slots of a parallel drafter (one with mask_hidden); None drafts in a chain
     parallel_token_id: int | None = None
     target_model: str | None = None  # the verifier named in the config, if any
@@ -223,13 +227,14 @@ def _canonical_name(name: str) -> str | None:
     for prefix in LAYER_PREFIXES:
         if name.startswith(prefix):
             rest = name[len(prefix):]
-            if rest in LAYER_TENSORS or rest in OPTIONAL_LAYER_TENSORS:
+            if rest in LAYER_TENSORS or rest in OPTIONAL_LAYER_TENSORS or rest in BIAS_TENSORS:
                 return "midlayer." + rest
             return None
     later = LATER_LAYER.match(name)
     if later:
         rest = later.group(2)
-        return name if rest in LATER_LAYER_TENSORS or rest in OPTIONAL_LAYER_TENSORS else None
+        known = rest in LATER_LAYER_TENSORS or rest in OPTIONAL_LAYER_TENSORS or rest in BIAS_TENSORS
+        return name if known else None
     if name in ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
                 "input_norm.weight", LOWRANK_DOWN, MASK_HIDDEN):
         return name
@@ -361,6 +366,7 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
         fc_norm=flag("fc_norm", any(k.startswith("fc_norm.") for k in tensors)),
         norm_output=flag("norm_output", False),
         num_layers=num_layers,
+        attention_bias=bool(served.get("attention_bias") or False),
         parallel_token_id=parallel_token,
         target_model=target_model,
         extra={k: v for k, v in layer.items() if k not in known and isinstance(v, (int, float, str, bool))},
@@ -436,6 +442,28 @@ def _check_shapes(cfg: DrafterConfig, t: dict[str, torch.Tensor], where: Path) -
         )
 
 
+def attention_bias_names(cfg: DrafterConfig) -> list[str]:
+    """The bias tensors vLLM builds for ``cfg`` (canonical names): none without attention_bias; else q/k/v of every
+    layer, and o_proj's too in Llama-style layers (vLLM's Qwen3 attention has no o_proj bias)."""
+    if not cfg.attention_bias:
+        return []
+    projections = "qkvo" if cfg.model_type == "llama" else "qkv"
+    return [layer_prefix(i) + f"self_attn.{p}_proj.bias" for i in range(cfg.num_layers) for p in projections]
+
+
+def _check_biases(cfg: DrafterConfig, names: set[str], folder: Path) -> None:
+    """The weights hold exactly the attention biases the config makes vLLM build (it fails on any other set)."""
+    held = {n for n in names if n.endswith("_proj.bias")}
+    expected = set(attention_bias_names(cfg))
+    if held and not cfg.attention_bias:
+        raise CheckpointError(f"{folder}: the weights hold attention biases ({sorted(held)[0]}, ...) but the config "
+                              "does not set attention_bias (vLLM would not build them)")
+    if held != expected:
+        missing, extra = sorted(expected - held), sorted(held - expected)
+        raise CheckpointError(f"{folder}: attention_bias is set but the biases do not match what vLLM builds for a "
+                              f"{cfg.model_type}-style layer: missing {missing[:3]}, unexpected {extra[:3]}")
+
+
 def load_drafter(folder: str | Path) -> DrafterCheckpoint:
     """Read an EAGLE-3 drafter folder of any published layout into canonical form."""
     folder = Path(folder)
@@ -450,8 +478,8 @@ def load_drafter(folder: str | Path) -> DrafterCheckpoint:
         if name.endswith("lm_head.bias"):
             raise CheckpointError(f"{folder}: {name!r}: an LM head with a bias is not supported")
         if canon is None and name.endswith(".bias") and ("midlayer." in name or "layers." in name):
-            raise CheckpointError(f"{folder}: layer tensor {name!r}: a decoder layer with biases (e.g. Qwen2-style "
-                                  "attention) is not supported; only Llama- and Qwen3-style EAGLE-3 layers are")
+            raise CheckpointError(f"{folder}: layer tensor {name!r}: a decoder layer with biases outside attention's "
+                                  "q/k/v/o projections is not supported (vLLM's EAGLE-3 layers have none)")
         if canon is None:
             dropped.append(name)
         elif canon in mapping:
@@ -490,6 +518,7 @@ def load_drafter(folder: str | Path) -> DrafterCheckpoint:
     if "input_norm.weight" in tensors and not cfg.norm_before_fc:  # vLLM follows the flag and ignores the tensor
         del tensors["input_norm.weight"]
         dropped.append(mapping["input_norm.weight"])
+    _check_biases(cfg, set(tensors), folder)
     _check_shapes(cfg, tensors, folder)
     return DrafterCheckpoint(
         layout=layout,

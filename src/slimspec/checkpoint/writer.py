@@ -54,8 +54,9 @@ def drafter_config_json(
     }
     if cfg.aux_layer_ids:
         config["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
-        config["num_aux_hidden_states"] = len(cfg.aux_layer_ids)  # vLLM assumes 3 without it
-    _parallel_token(config, cfg)
+    if cfg.aux_layer_ids or cfg.num_aux_hidden_states != 3:
+        config["num_aux_hidden_states"] = cfg.num_aux_hidden_states  # vLLM assumes 3 without it
+    _variant_keys(config, cfg)
     config["slimspec"] = {"rank": rank, **slimspec_meta}
     return config
 
@@ -76,17 +77,21 @@ def eagle_config_json(cfg: DrafterConfig, draft_vocab: int, aux_convention: str 
     }
     if cfg.aux_layer_ids:
         config["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
-        config["num_aux_hidden_states"] = len(cfg.aux_layer_ids)
         if aux_convention == "output":
             config["aux_convention"] = "output"
-    _parallel_token(config, cfg)
+    if cfg.aux_layer_ids or cfg.num_aux_hidden_states != 3:
+        config["num_aux_hidden_states"] = cfg.num_aux_hidden_states
+    _variant_keys(config, cfg)
     return config
 
 
-def _parallel_token(config: dict[str, Any], cfg: DrafterConfig) -> None:
-    """A P-EAGLE drafter's mask-slot token, under the key AWS's P-EAGLE drafters use (vLLM reads it)."""
+def _variant_keys(config: dict[str, Any], cfg: DrafterConfig) -> None:
+    """Keys only some drafters need: a P-EAGLE drafter's mask-slot token (under the key AWS's P-EAGLE drafters use;
+    vLLM reads it) and attention_bias (vLLM then builds the biases the weights hold)."""
     if cfg.parallel_token_id is not None:
         config["ptd_token_id"] = cfg.parallel_token_id
+    if cfg.attention_bias:
+        config["attention_bias"] = True
 
 
 def _distilled(report: dict[str, Any]) -> str:
