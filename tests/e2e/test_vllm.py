@@ -439,6 +439,29 @@ def _two_layer_drafter(folder: Path, scale: float = 20.0) -> Path:
     return folder
 
 
+def _served_before_and_after_conversion(target, baseline, source: Path, tmp_path: Path, label: str,
+                                        prompts: list[str]) -> list[tuple[Path, float, float]]:
+    """``source`` and its conversion (SVD at rank 432 over the draft vocabulary) served by vLLM (its own EAGLE-3 class,
+    then the plugin): each run must be lossless and serve the checkpoint's head. Returns (drafter, vLLM tau,
+    reference decoder tau) for both."""
+    from slimspec.evaluate.acceptance import evaluate
+
+    converted = slimspec.convert(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
+                                 out=tmp_path / "converted", progress=False).out
+    runs = []
+    for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):
+        report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head"])
+        assert report["ok"], report
+        assert report["draft_model_class"] == served_class
+        assert report["outputs"] == baseline["outputs"][:len(prompts)], "speculation changed the greedy output"
+        _head_ok(report)
+        ours = evaluate(str(drafter), embedded.EMBEDDED_TARGET, num_prompts=len(prompts), max_new_tokens=MAX_NEW_TOKENS,
+                        draft_tokens=DRAFT_TOKENS, progress=False)["tau"]
+        print(f"\n[vllm] {label}, {drafter.name}: vLLM tau {report['tau']:.4f}, reference {ours:.4f}")
+        runs.append((drafter, report["tau"], ours))
+    return runs
+
+
 def test_multi_layer_drafter_is_served_as_the_reference_decoder_runs_it(target, baseline, tmp_path):
     """A drafter with two decoder layers, before conversion (vLLM's own EAGLE-3 class) and after (the plugin, SVD
     at rank 432 = 3d/4 over the draft vocabulary; d/2 keeps tau ~1.13 only): vLLM must accept what the reference
@@ -450,25 +473,13 @@ def test_multi_layer_drafter_is_served_as_the_reference_decoder_runs_it(target, 
     from slimspec.evaluate.acceptance import evaluate
 
     source = _two_layer_drafter(tmp_path / "two-layer")
-    converted = slimspec.convert(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
-                                 out=tmp_path / "converted", progress=False).out
     prompts = _prompts()[:4]
-
-    def reference_tau(drafter: Path) -> float:
-        return evaluate(str(drafter), embedded.EMBEDDED_TARGET, num_prompts=len(prompts),
-                        max_new_tokens=MAX_NEW_TOKENS, draft_tokens=DRAFT_TOKENS, progress=False)["tau"]
-
-    one_layer = reference_tau(Path(embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)))
-    for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):
-        report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head"])
-        assert report["ok"], report
-        assert report["draft_model_class"] == served_class
-        assert report["outputs"] == baseline["outputs"][:len(prompts)], "speculation changed the greedy output"
-        _head_ok(report)
-        ours = reference_tau(drafter)
-        print(f"\n[vllm] two layers, {drafter.name}: vLLM tau {report['tau']:.4f}, reference {ours:.4f} "
-              f"(one-layer drafter, reference: {one_layer:.4f})")
-        assert report["tau"] > 1.1 and abs(report["tau"] - ours) <= 0.02
+    one_layer = evaluate(embedded.EMBEDDED_DRAFTER, embedded.EMBEDDED_TARGET, num_prompts=len(prompts),
+                         max_new_tokens=MAX_NEW_TOKENS, draft_tokens=DRAFT_TOKENS, progress=False)["tau"]
+    print(f"\n[vllm] the one-layer drafter, reference: {one_layer:.4f}")
+    for drafter, served, ours in _served_before_and_after_conversion(target, baseline, source, tmp_path,
+                                                                     "two layers", prompts):
+        assert served > 1.1 and abs(served - ours) <= 0.02
         if drafter == source:
             assert abs(ours - one_layer) >= 0.05, "the second layer should change which drafts are accepted"
 
@@ -548,22 +559,13 @@ def test_attention_bias_drafter_is_served_as_the_reference_decoder_runs_it(targe
     from slimspec.evaluate.acceptance import evaluate
 
     source = _biased_drafter(tmp_path / "biased")
-    converted = slimspec.convert(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
-                                 out=tmp_path / "converted", progress=False).out
     prompts = _prompts()[:4]
     plain = evaluate(embedded.EMBEDDED_DRAFTER, embedded.EMBEDDED_TARGET, num_prompts=len(prompts),
                      max_new_tokens=MAX_NEW_TOKENS, draft_tokens=DRAFT_TOKENS, progress=False)["tau"]
-    for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):
-        report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head"])
-        assert report["ok"], report
-        assert report["draft_model_class"] == served_class
-        assert report["outputs"] == baseline["outputs"][:len(prompts)], "speculation changed the greedy output"
-        _head_ok(report)
-        ours = evaluate(str(drafter), embedded.EMBEDDED_TARGET, num_prompts=len(prompts), max_new_tokens=MAX_NEW_TOKENS,
-                        draft_tokens=DRAFT_TOKENS, progress=False)["tau"]
-        print(f"\n[vllm] attention_bias {drafter.name}: vLLM tau {report['tau']:.4f}, reference {ours:.4f} "
-              f"(without the biases: {plain:.4f})")
-        assert report["tau"] > 1.1 and abs(report["tau"] - ours) <= 0.02 and abs(ours - plain) >= 0.1
+    print(f"\n[vllm] the drafter without biases, reference: {plain:.4f}")
+    for _, served, ours in _served_before_and_after_conversion(target, baseline, source, tmp_path, "attention_bias",
+                                                               prompts):
+        assert served > 1.1 and abs(served - ours) <= 0.02 and abs(ours - plain) >= 0.1
 
 
 _SERVED_FLAGS = """

@@ -212,6 +212,17 @@ def remove_stale_temps(parent: Path, name: str) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def temporary_sibling(out: Path, tag: str = "") -> Path:
+    """A fresh empty folder ``.{out.name}.tmp-{tag}PID`` beside ``out`` (the caller removes it), after sweeping
+    those a killed run left there."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out.parent, out.name)
+    tmp = out.parent / f".{out.name}.tmp-{tag}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
 @contextlib.contextmanager
 def atomic_folder(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces ``out``, on failure it is removed.
@@ -219,11 +230,7 @@ def atomic_folder(out: Path, overwrite: bool) -> Iterator[Path]:
     A reader never sees a half-written ``out``: it is either absent, the old one, or complete.
     """
     check_output_free(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out.parent, out.name)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = temporary_sibling(out)
     try:
         yield tmp
         if out.exists():

@@ -169,22 +169,16 @@ def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float,
                       device: str | None = None) -> tuple[PlanePoint, list[PlanePoint]]:
     """``--rank auto``: measure nu(r) and rho_tau(r) for each candidate rank (each briefly distilled) and keep
     the one with the highest predicted rho_TPS at ``kappa``. The paper leaves r manual; this is ours."""
-    import os
     import shutil
 
-    from slimspec.checkpoint.writer import check_output_free, remove_stale_temps
+    from slimspec.checkpoint.writer import check_output_free, temporary_sibling
     from slimspec.convert.pipeline import check_not_the_source
     from slimspec.hub import resolve_model
 
     source = str(resolve_model(drafter, "drafter"))
     check_not_the_source(out, source)  # the chosen rank replaces ``out`` at the end
     check_output_free(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out.parent, out.name)
-    # the candidates' folder, named like atomic_folder's temporaries: a killed run's is swept by the next one
-    tmp = out.parent / f".{out.name}.tmp-auto-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = temporary_sibling(out, "auto-")  # the candidates: a killed run's are swept by the next run
     try:
         points = build_plane(drafter, target, Path(tmp), ranks=ranks, vocabs=(vocab,), trim_sizes=(),
                              distill_steps=distill_steps,
