@@ -10,16 +10,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slimspec import choices
 from slimspec.errors import SlimSpecError, first_line
 
 JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "init", "distill_steps", "data",
             "num_prompts", "responses", "max_new_tokens", "overwrite", "push_to", "eval_prompts", "revision",
             "generation_engine", "generation_dtype", "target_revision", "device"}
 INT_KEYS = {"distill_steps": 0, "num_prompts": 0, "max_new_tokens": 1, "eval_prompts": 0}  # smallest value each
-CHOICES = {"vocab": ("full", "draft"), "stitch": ("target", "zero", "scaled"), "init": ("auto", "svd", "whitened"),
-           "dtype": ("bf16", "fp16", "fp32", None), "responses": ("regenerate", "reference", "none"),
-           "generation_engine": ("transformers", "static"),
-           "generation_dtype": ("auto", "bfloat16", "float32", "float16")}
+CHOICES = {"vocab": choices.VOCABS, "stitch": choices.STITCHES, "init": choices.INITS,
+           "dtype": (*choices.OUTPUT_DTYPES, None), "responses": choices.RESPONSES,
+           "generation_engine": choices.GENERATION_ENGINES, "generation_dtype": choices.GENERATION_DTYPES}
 SETTINGS = ("drafter", "target", "rank", "vocab", "dtype", "stitch", "init", "distill_steps", "data", "num_prompts",
             "responses", "max_new_tokens", "revision")
 

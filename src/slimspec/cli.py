@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from slimspec import __version__
+from slimspec import __version__, choices
 from slimspec.errors import SlimSpecError, SlimSpecWarning
 
 
@@ -81,20 +81,20 @@ def data_options(func):
                      "datasets id. Repeatable. Default: the calibration set shipped with slimspec."),
         click.option("--num-prompts", type=click.IntRange(min=1),
                      help="Use at most this many prompts (a seeded random sample)."),
-        click.option("--responses", type=click.Choice(["regenerate", "reference", "none"]), default="regenerate",
+        click.option("--responses", type=click.Choice(choices.RESPONSES), default="regenerate",
                      show_default=True, help="What follows each prompt: the target's own answer (EAGLE-3 practice), "
                      "the data set's reference answer (no generation), or nothing."),
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True,
                      help="Length of regenerated answers."),
         click.option("--temperature", type=NON_NEGATIVE, default=0.0, show_default=True,
                      help="0: greedy answers; > 0: sampled."),
-        click.option("--generation-engine", type=click.Choice(["transformers", "static"]), default="transformers",
+        click.option("--generation-engine", type=click.Choice(choices.GENERATION_ENGINES), default="transformers",
                      show_default=True,
                      help="How regenerated answers and teacher features are computed. transformers: `generate`, "
                           "then one float32 forward per sequence. static: one batched static-cache loop gives "
                           "answers and features in the same passes (2.45x faster on 2 CPU cores, `make bench` "
                           "section teacher; Llama/Mistral/Qwen2/Qwen3 targets, others fall back)."),
-        click.option("--generation-dtype", type=click.Choice(["auto", "bfloat16", "float32", "float16"]),
+        click.option("--generation-dtype", type=click.Choice(choices.GENERATION_DTYPES),
                      default="auto", show_default=True,
                      help="dtype of the target copy that writes the answers (and, with the static engine, the "
                           "features). auto: bfloat16 on a CUDA GPU or where the CPU multiplies bf16 natively "
@@ -214,19 +214,19 @@ RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "over
                    "--num-prompts [64] shipped prompts; keep the best predicted rho_TPS at --kappa).")
 @click.option("--kappa", type=POSITIVE, default=0.5, show_default=True,
               help="--rank auto: the head's share of a draft+verify cycle (measure it with slimspec bench --kappa).")
-@click.option("--vocab", type=click.Choice(["full", "draft"]), default="full", show_default=True,
+@click.option("--vocab", type=click.Choice(choices.VOCABS), default="full", show_default=True,
               help="full: head over the whole target vocabulary (draft rows from the drafter, the rest from the "
                    "target's head); draft: keep the drafter's draft vocabulary and its d2t.")
 @click.option("--out", "-o", type=click.Path(path_type=Path),
               help="Output folder [default: ./<drafter-name>-slimspec-r<r>; --rank auto: -slimspec-auto].")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), help="Output dtype [default: the source's].")
+@click.option("--dtype", type=click.Choice(choices.OUTPUT_DTYPES), help="Output dtype [default: the source's].")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--revision", help="Hub revision (branch, tag or commit) of the drafter.")
 @click.option("--target-revision", help="Hub revision (branch, tag or commit) of the target.")
-@click.option("--stitch", type=click.Choice(["target", "zero", "scaled"]), default="target", show_default=True,
+@click.option("--stitch", type=click.Choice(choices.STITCHES), default="target", show_default=True,
               help="--vocab full: rows outside the draft vocab from the target's head, zeros, or the target's rows "
                    "rescaled to the drafter's row norm.")
-@click.option("--init", type=click.Choice(["auto", "svd", "whitened"]), default="auto", show_default=True,
+@click.option("--init", type=click.Choice(choices.INITS), default="auto", show_default=True,
               help="svd: optimal for ||W - W_up W_down||; whitened: optimal for ||(W - W_up W_down) X|| over the "
                    "drafter's real activations X (needs the target and calibration data); auto: whitened when "
                    "--distill-steps > 0 (half the starting KL on the reference drafter), else svd.")
@@ -554,9 +554,9 @@ def _png_path(path: Path, hint: str) -> Path:
         raise click.BadParameter(f"{path} is not a .png path (the plot is a PNG)", param_hint=hint)
     if path.is_dir():
         raise click.BadParameter(f"{path} is a folder", param_hint=hint)
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
+    from slimspec.checkpoint.writer import nearest_existing_parent
+
+    parent = nearest_existing_parent(path)
     if not parent.is_dir():
         raise click.BadParameter(f"cannot write {path}: {parent} is a file", param_hint=hint)
     return path

@@ -54,8 +54,6 @@ def drafter_config_json(
     }
     if cfg.aux_layer_ids:
         config["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
-    if cfg.aux_layer_ids or cfg.num_aux_hidden_states != 3:
-        config["num_aux_hidden_states"] = cfg.num_aux_hidden_states  # vLLM assumes 3 without it
     _variant_keys(config, cfg)
     config["slimspec"] = {"rank": rank, **slimspec_meta}
     return config
@@ -79,15 +77,16 @@ def eagle_config_json(cfg: DrafterConfig, draft_vocab: int, aux_convention: str 
         config["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
         if aux_convention == "output":
             config["aux_convention"] = "output"
-    if cfg.aux_layer_ids or cfg.num_aux_hidden_states != 3:
-        config["num_aux_hidden_states"] = cfg.num_aux_hidden_states
     _variant_keys(config, cfg)
     return config
 
 
 def _variant_keys(config: dict[str, Any], cfg: DrafterConfig) -> None:
-    """Keys only some drafters need: a P-EAGLE drafter's mask-slot token (under the key AWS's P-EAGLE drafters use;
-    vLLM reads it) and attention_bias (vLLM then builds the biases the weights hold)."""
+    """Keys only some drafters need: the feature count (vLLM assumes 3 without it), a P-EAGLE drafter's mask-slot
+    token (under the key AWS's P-EAGLE drafters use; vLLM reads it) and attention_bias (vLLM then builds the biases
+    the weights hold)."""
+    if cfg.aux_layer_ids or cfg.num_aux_hidden_states != 3:
+        config["num_aux_hidden_states"] = cfg.num_aux_hidden_states
     if cfg.parallel_token_id is not None:
         config["ptd_token_id"] = cfg.parallel_token_id
     if cfg.attention_bias:
@@ -187,15 +186,21 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
+def nearest_existing_parent(path: Path) -> Path:
+    """The closest ancestor of ``path`` that exists (a file there means ``path`` cannot be made)."""
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    return parent
+
+
 def check_output_free(out: Path, overwrite: bool) -> None:
     """Refuse an existing output (before any work) unless overwriting."""
     if out.exists() and not overwrite:
         raise SlimSpecError(f"{out} already exists (use --overwrite to replace it)")
     if out.exists() and not out.is_dir():
         raise SlimSpecError(f"{out} exists and is not a folder")
-    parent = out.absolute().parent  # the folder is made at the end: a parent it cannot be made in fails now
-    while not parent.exists():
-        parent = parent.parent
+    parent = nearest_existing_parent(out)  # the folder is made at the end: a parent it cannot be made in fails now
     if not parent.is_dir():
         raise SlimSpecError(f"cannot make {out}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):

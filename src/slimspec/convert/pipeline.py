@@ -144,7 +144,6 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-
 def _check_rank_is_worth_it(r: int, rows: int, hidden: int, held: int | None) -> None:
     """Refuse a rank at or above ``held``, the rank of a head that is already a low-rank pair (a SlimSpec output
     converted again: a larger pair only adds zero directions); warn when the pair holds more weights than the full

@@ -120,6 +120,8 @@ def train_from_scratch(
     ``training.json`` (e.g. the build's prompt mix).
     """
     out = Path(out)
+    if num_layers < 1:
+        raise SlimSpecError(f"--layers must be >= 1, got {num_layers}")
     check_output_free(out, overwrite)
     checkpoints = out.parent / f"{out.name}.checkpoints"
     prepare_checkpoint_dir(checkpoints, resume, overwrite)
@@ -127,8 +129,6 @@ def train_from_scratch(
     cfg = config or DistillConfig()
     cfg.train_backbone = True
     parts = load_target_parts(target)
-    if num_layers < 1:
-        raise SlimSpecError(f"--layers must be >= 1, got {num_layers}")
     if not 0 < draft_vocab <= parts.head.shape[0]:
         raise SlimSpecError(f"--draft-vocab must be in 1..{parts.head.shape[0]}, got {draft_vocab}")
     teacher, settings = scratch_teacher(parts, options, progress)

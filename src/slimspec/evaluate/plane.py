@@ -180,7 +180,7 @@ def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float,
     check_output_free(out, overwrite)
     tmp = temporary_sibling(out, "auto-")  # the candidates: a killed run's are swept by the next run
     try:
-        points = build_plane(drafter, target, Path(tmp), ranks=ranks, vocabs=(vocab,), trim_sizes=(),
+        points = build_plane(drafter, target, tmp, ranks=ranks, vocabs=(vocab,), trim_sizes=(),
                              distill_steps=distill_steps,
                              num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                              calibration_prompts=calibration_prompts, progress=progress, device=device)

@@ -1,0 +1,9 @@
+"""The values each conversion option takes: one list for the CLI's choices and a batch manifest's checks."""
+
+VOCABS = ("full", "draft")
+STITCHES = ("target", "zero", "scaled")
+INITS = ("auto", "svd", "whitened")
+OUTPUT_DTYPES = ("bf16", "fp16", "fp32")
+RESPONSES = ("regenerate", "reference", "none")
+GENERATION_ENGINES = ("transformers", "static")
+GENERATION_DTYPES = ("auto", "bfloat16", "float32", "float16")
