@@ -181,6 +181,32 @@ def _is_local(name: str) -> bool:
     return embedded.is_embedded(name) or Path(name).expanduser().exists()
 
 
+DISTILL_ONLY_OPTIONS = {"lr", "warmup_steps", "batch_tokens", "bf16", "teacher_temperature"}
+"""Data options that only the distillation steps read (a whitened start without steps reads the others)."""
+
+
+def _data_option_names() -> set[str]:
+    return {p.name for p in data_options(lambda: None).__click_params__}
+
+
+def _refuse_unread_data_options(ctx: click.Context, rank: str, init: str, distill_steps: int) -> None:
+    """Data and distillation options of a conversion that computes no teacher data (or trains nothing) are refused,
+    rather than silently ignored (``convert --aux-layers 2,5,8`` with an SVD start used to run as if not given)."""
+    if rank == "auto":
+        return
+    if distill_steps > 0:
+        return
+    given = [p for p in ctx.command.params if p.name in _data_option_names() and _given(ctx, p.name)]
+    if init != "whitened" and given:
+        raise click.UsageError(f"this conversion reads no data (SVD start, no --distill-steps), so "
+                               f"{', '.join(p.opts[0] for p in given)} would be ignored: add --distill-steps N "
+                               "(or --init whitened), or drop them")
+    unread = [p.opts[0] for p in given if p.name in DISTILL_ONLY_OPTIONS]
+    if unread:
+        raise click.UsageError(f"{', '.join(unread)} only shape distillation steps: add --distill-steps N or drop "
+                               "them")
+
+
 def _refuse_unused_convert_options(ctx: click.Context, drafter: str, target: str | None, rank: str, vocab: str,
                                    revision: str | None, target_revision: str | None, push_to: str | None) -> None:
     """Options this conversion would ignore (or record wrongly) are refused before any work; so is a bad --push-to."""
@@ -250,6 +276,7 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
 
     ctx = click.get_current_context()
     _refuse_unused_convert_options(ctx, drafter, target, rank, vocab, revision, target_revision, push_to)
+    _refuse_unread_data_options(ctx, rank, init, distill_steps)
     options, cfg = _data_and_config(kw, distill_steps)
     if rank == "auto":
         from slimspec.convert.pipeline import ConvertResult, model_name

@@ -19,7 +19,12 @@ def _one_line_failure(result, needle: str) -> None:
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    (["convert", "embedded:smollm2-135m-eagle3", "--aux-layers", "2,,3"], "--aux-layers"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--aux-layers", "2,,3", "--distill-steps", "2"], "--aux-layers"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--aux-layers", "2,5,8", "--num-prompts", "4"],
+     "reads no data (SVD start, no --distill-steps), so --num-prompts, --aux-layers would be ignored"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--init", "svd", "--teacher", "drafter"], "--teacher would be"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--init", "whitened", "--lr", "1e-3", "--bf16"],
+     "--lr, --bf16 only shape distillation steps"),
     (["distill", "embedded:smollm2-135m-eagle3", "--aux-layers", "two"], "--aux-layers"),
     (["convert", "embedded:smollm2-135m-eagle3", "--rank", "auto", "--stitch", "zero", "--lr", "1e-3"],
      "takes no --stitch, --lr"),
@@ -154,6 +159,28 @@ def test_demo_command_line_is_the_demo_recipe(monkeypatch, tmp_path):
         {k: ran[k] for k in ("drafter", "target", "rank", "vocab", "steps")}
 
 
+@pytest.mark.parametrize("args", [
+    ["--init", "whitened", "--num-prompts", "3", "--aux-layers", "1,2,3", "--ttt-steps", "2"],
+    ["--init", "svd", "--distill-steps", "2", "--lr", "1e-3", "--aux-layers", "1,2,3"],
+    ["--distill-steps", "2", "--bf16", "--teacher-temperature", "0.5"],
+])
+def test_data_options_a_conversion_reads_are_accepted(args, tmp_path, monkeypatch):
+    """Catches the unread-option refusal firing on conversions that do read the data: a whitened start reads the
+    prompts, aux layers and TTT unroll without any step, and any --distill-steps reads them all."""
+    import slimspec.convert.pipeline as pipeline
+
+    seen = []
+
+    def capture(drafter, target, rank, **kw):
+        seen.append(kw)
+        raise pipeline.SlimSpecError("stop here")
+
+    monkeypatch.setattr(pipeline, "convert", capture)
+    result = CliRunner().invoke(main, ["convert", "embedded:smollm2-135m-eagle3", "-o", str(tmp_path / "o"), *args])
+    assert "stop here" in result.output and len(seen) == 1, result.output
+    assert seen[0]["data_options"].aux_layers in (None, [1, 2, 3])
+
+
 def test_bench_kappa_times_the_source_head(tiny_converted, tiny_target):
     """`bench CHECKPOINT --kappa` must time the head the conversion replaced (512 draft rows here, read from
     slimspec.json), not the checkpoint's 49152-row low-rank head: catches kappa ~ nu * kappa in rho_TPS."""
@@ -180,7 +207,7 @@ def test_cli_refuses_a_cuda_device_without_a_gpu(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA GPU")
-    for command in (["convert", "embedded:smollm2-135m-eagle3", "-o", str(tmp_path / "o")],
+    for command in (["convert", "embedded:smollm2-135m-eagle3", "-o", str(tmp_path / "o"), "--distill-steps", "1"],
                     ["distill", "embedded:smollm2-135m-eagle3", "-o", str(tmp_path / "d")],
                     ["eval", "embedded:smollm2-135m-eagle3"],
                     ["bench", "head", "--vocab", "64", "--hidden", "8", "--rank", "2"],
