@@ -131,6 +131,25 @@ def test_attention_biases_must_be_the_set_vllm_builds(tmp_path):
         load_drafter(tmp_path / "q")
 
 
+def test_bias_flags_vllm_reads_beside_attention_bias(tmp_path):
+    """Catches a Llama-style config whose ``bias`` or ``mlp_bias`` makes vLLM build an o_proj or MLP bias that the
+    weights cannot fill (it would serve unset parameters): refused. ``bias`` beside attention_bias adds nothing,
+    ``qkv_bias`` is not read by vLLM's Eagle3 layer, and a Qwen3-style layer reads neither key."""
+    write_drafter(tmp_path / "b", "eagle", Spec())
+    for changes, message in (({"bias": True}, "sets bias without attention_bias"), ({"mlp_bias": True}, "mlp_bias")):
+        _edit_config(tmp_path / "b", **{"bias": False, "mlp_bias": False, **changes})
+        with pytest.raises(CheckpointError, match=message):
+            load_drafter(tmp_path / "b")
+    _edit_config(tmp_path / "b", bias=False, mlp_bias=False, qkv_bias=True)
+    assert not load_drafter(tmp_path / "b").config.attention_bias
+    write_drafter(tmp_path / "ab", "eagle", Spec(attention_bias=True))
+    _edit_config(tmp_path / "ab", bias=True)
+    assert "midlayer.self_attn.o_proj.bias" in load_drafter(tmp_path / "ab").tensors
+    write_drafter(tmp_path / "q", "specforge", Spec(qwen3=True))
+    _edit_config(tmp_path / "q", bias=True, mlp_bias=True)
+    assert load_drafter(tmp_path / "q").config.model_type == "qwen3"
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_parallel_drafter_loads_in_every_layout(tmp_path, layout):
     """Catches a P-EAGLE drafter (AWS's write ``ptd_token_id``, speculators' ``peagle`` ``mask_token_id``) read as

@@ -307,6 +307,7 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
     # the layer's tensors decide its style (vLLM serves a Llama- or a Qwen3-style layer): a config's model_type
     # of qwen3 without q_norm, or mistral/qwen2, describes the target rather than this layer
     model_type = "qwen3" if "midlayer.self_attn.q_norm.weight" in tensors else "llama"
+    _refuse_unbuilt_biases(served, model_type)
 
     def flag(key: str, default: bool) -> bool:
         # where vLLM reads each flag: norm_before_fc from eagle_config first, the others from the config alone
@@ -440,6 +441,21 @@ def _check_shapes(cfg: DrafterConfig, t: dict[str, torch.Tensor], where: Path) -
         raise CheckpointError(
             f"{where}: draft vocab {cfg.draft_vocab_size} differs from vocab {cfg.vocab_size} but there is no d2t"
         )
+
+
+def _refuse_unbuilt_biases(served: dict[str, Any], model_type: str) -> None:
+    """Llama-style flags that make vLLM build biases this tool does not carry: ``bias`` (Llama's decoder layer gives
+    o_proj a bias under it, while the Eagle3 layer's q/k/v follow ``attention_bias`` alone) and ``mlp_bias``.
+    vLLM would serve such a drafter with bias parameters the weights do not fill, so it is refused, not misread
+    (``qkv_bias`` is ignored, as vLLM's Eagle3 layer rebuilds q/k/v by ``attention_bias``)."""
+    if model_type != "llama":  # vLLM's Qwen3 layer reads neither key
+        return
+    if served.get("bias") and not served.get("attention_bias"):
+        raise CheckpointError("the config sets bias without attention_bias: vLLM would build an o_proj bias "
+                              "without q/k/v ones, a layer slimspec does not convert")
+    if served.get("mlp_bias"):
+        raise CheckpointError("the config sets mlp_bias: vLLM would build MLP biases, which slimspec does not "
+                              "convert")
 
 
 def attention_bias_names(cfg: DrafterConfig) -> list[str]:
