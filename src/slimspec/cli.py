@@ -381,6 +381,15 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
     """
     from slimspec.distill.pipeline import distill as run_distill
 
+    ctx = click.get_current_context()
+    if not from_scratch:
+        scratch_only = [p.opts[0] for p in ctx.command.params
+                        if p.name in ("draft_vocab", "head_rank", "layers") and _given(ctx, p.name)]
+        if scratch_only:
+            raise click.UsageError(f"{', '.join(scratch_only)} go with --from-scratch (a CHECKPOINT keeps its own)")
+        if backbone_lr is not None and not train_backbone:
+            raise click.UsageError("--backbone-lr is the backbone's lr: add --train-backbone (the head trains alone "
+                                   "without it)")
     options, cfg = _data_and_config(kw, steps)
     if backbone_lr is not None and backbone_lr <= 0:
         raise SlimSpecError(f"--backbone-lr must be > 0, got {backbone_lr:g}")
@@ -397,8 +406,6 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
     else:
         if checkpoint is None:
             raise click.UsageError("CHECKPOINT is required (or use --from-scratch)")
-        if layers != 1 or head_rank is not None:
-            raise click.UsageError("--layers and --head-rank go with --from-scratch (a CHECKPOINT keeps its own)")
         path, result = run_distill(checkpoint, target, out=out, overwrite=overwrite or resume, config=cfg,
                                    data_options=options, resume=resume, progress=not quiet)
     summary = {"out": str(path), **result.summary()}

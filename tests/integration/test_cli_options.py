@@ -52,6 +52,9 @@ def _one_line_failure(result, needle: str) -> None:
     (["eval", "embedded:smollm2-135m-eagle3", "-k", "0"], "--draft-tokens"),
     (["distill", "embedded:smollm2-135m-eagle3", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["distill", "embedded:smollm2-135m-eagle3", "--batch-tokens", "0"], "--batch-tokens"),
+    (["distill", "embedded:smollm2-135m-eagle3", "--draft-vocab", "100", "--layers", "1"],
+     "--draft-vocab, --layers go with --from-scratch"),
+    (["distill", "embedded:smollm2-135m-eagle3", "--backbone-lr", "1e-3"], "add --train-backbone"),
     (["convert", "embedded:smollm2-135m-eagle3", "--num-prompts", "0", "--distill-steps", "2"], "--num-prompts"),
 ])
 def test_bad_option_values_fail_in_one_line(args, needle, tmp_path, monkeypatch):

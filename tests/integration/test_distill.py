@@ -346,13 +346,14 @@ def test_from_scratch_records_its_feature_layers_and_low_rank_head(tiny_target, 
 def test_from_scratch_layers_trains_every_layer_and_writes_them(tiny_target, tmp_path):
     """Catches `--from-scratch --layers N` writing a 1-layer drafter (or a config that does not declare the layers
     its weights hold) and a later layer left at its random start (not in the optimizer, or not on the forward path);
-    and `--layers`/`--head-rank` silently ignored without --from-scratch."""
+    and `--layers`/`--head-rank`/`--draft-vocab` silently ignored without --from-scratch."""
     from slimspec.checkpoint import load_drafter
     from slimspec.distill.pipeline import load_target_parts
     from slimspec.distill.scratch import init_drafter
 
     result = CliRunner().invoke(main, ["distill", "--from-scratch", "-t", str(tiny_target), "--draft-vocab", "300",
-                                       "--layers", "2", "--steps", "3", "--lr", "5e-3", "--num-prompts", "4",
+                                       "--layers", "2", "--steps", "3", "--lr", "5e-3", "--backbone-lr", "5e-3",
+                                       "--num-prompts", "4",
                                        "--max-new-tokens", "8", "--batch-tokens", "128", "-o",
                                        str(tmp_path / "scratch"), "--json", "-q"])
     assert result.exit_code == 0, result.output
@@ -365,7 +366,7 @@ def test_from_scratch_layers_trains_every_layer_and_writes_them(tiny_target, tmp
                  "layers.1.mlp.down_proj.weight"):
         moved = (ckpt.tensors[name].float() - start[name].float()).abs()
         assert moved.mean() > 1e-3, name  # 3 Adam steps at ~5e-3 each; fp16 rounding of ~0.02 weights is ~1e-5
-    for flag in (["--layers", "2"], ["--head-rank", "4"]):
+    for flag in (["--layers", "2"], ["--head-rank", "4"], ["--draft-vocab", "300"]):
         refused = CliRunner().invoke(main, ["distill", str(tmp_path / "scratch"), "-t", str(tiny_target), *flag])
         assert refused.exit_code == 2 and "--from-scratch" in refused.output, refused.output
 
