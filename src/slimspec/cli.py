@@ -658,6 +658,8 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
         raise click.BadParameter("batch sizes must be > 0", param_hint="--batch")
     if checkpoint and any(x is not None for x in (vocab, hidden, rank)):
         raise click.UsageError("--vocab, --hidden and --rank describe a head without CHECKPOINT (it has its own)")
+    if not with_kappa and (target is not None or rho_tau is not None):
+        raise click.UsageError("--target and --rho-tau go with --kappa (the head timing alone reads neither)")
     if rank is not None and hidden is not None and rank >= hidden:
         raise click.BadParameter(f"{rank} is not below --hidden {hidden} (0 < r < d)", param_hint="--rank")
     if checkpoint:

@@ -34,6 +34,7 @@ def _one_line_failure(result, needle: str) -> None:
     (["bench", "--vocab", "100", "--hidden", "16", "--rank", "-3"], "--rank"),
     (["bench", "--vocab", "100", "--hidden", "16", "--rank", "16"], "0 < r < d"),
     (["bench", "embedded:smollm2-135m-eagle3", "--vocab", "100"], "without CHECKPOINT"),
+    (["bench", "--vocab", "100", "--hidden", "16", "--rank", "4", "--rho-tau", "0.9"], "go with --kappa"),
     (["eval", "embedded:smollm2-135m-eagle3", "--temperature", "nan"], "not a finite number"),
     (["eval", "embedded:smollm2-135m-eagle3", "--temperature", "-1"], "--temperature"),
     (["distill", "embedded:smollm2-135m-eagle3", "--steps", "-1"], "--steps"),
