@@ -225,6 +225,10 @@ def _refuse_unused_convert_options(ctx: click.Context, drafter: str, target: str
             raise click.UsageError(f"--push-to {push_to!r} is not a Hub repo id (owner/name)")
 
 
+UNDISTILLED_EXAMPLE = ("the embedded drafter at d/8 keeps rho_tau 0.61 from the SVD start, 0.88-0.90 after the "
+                       "demo's 200 steps")
+"""Measured (BENCHMARKS.md "Without distillation"): why `convert` warns when it does not distil."""
+
 RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "overwrite", "distill_steps", "num_prompts",
                      "push_to", "as_json", "quiet", "device"}
 """The convert options --rank auto honours; it refuses the others rather than ignore them."""
@@ -302,6 +306,10 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
                              stitch=stitch, init=init,
                              distill_steps=distill_steps, data_options=options, distill_config=cfg)
     report = {"out": str(result.out), **result.report}
+    if "distill" not in report:
+        warnings.warn(f"{result.out} is not distilled: a conversion without --distill-steps can lose most of the "
+                      f"drafter's acceptance ({UNDISTILLED_EXAMPLE}); distil it with `slimspec distill "
+                      f"{result.out} --steps 200` or convert with --distill-steps 200", SlimSpecWarning, stacklevel=1)
     if push_to:
         from slimspec.publish import push as run_push
 
@@ -324,7 +332,8 @@ def _print_convert_report(report: dict) -> None:
                             f"from the drafter, {report['rows_from_target']} from the target)"),
         ("head params", f"{report['head_params_source']:,} -> {report['head_params']:,}"),
         ("head FLOP ratio", f"{report['head_flop_ratio']:.4f}"),
-        ("energy kept", f"{report['energy_kept']:.4f}"),
+        ("energy kept", f"{report['energy_kept']:.4f} (rows centred, the part softmax sees: "
+                        f"{report['energy_kept_centered']:.4f})"),
         ("relative Frobenius error", f"{report['relative_frobenius_error']:.4f}"),
         ("time", f"{report['timings']['total']:.1f}s"),
     ]
@@ -810,6 +819,8 @@ def inspect(drafter: str, target: str | None, plot: Path | None, as_json: bool) 
     for name, energies in info["energy"].items():
         cells = ", ".join(f"{k}: {v:.4f}" for k, v in energies.items())
         click.echo(f"energy kept    {name}: {cells}")
+        cells = ", ".join(f"{k}: {v:.4f}" for k, v in info["energy_centered"][name].items())
+        click.echo(f"               rows centred (the part softmax sees): {cells}")
     if "plot" in info:
         click.echo(f"plot           {info['plot']}")
 

@@ -9,7 +9,7 @@ import torch
 
 from slimspec.checkpoint.drafter import load_drafter
 from slimspec.checkpoint.target import load_target_head
-from slimspec.convert.factorize import gram_matrix, squared_singular_values
+from slimspec.convert.factorize import centered_gram, gram_matrix, squared_singular_values
 from slimspec.convert.pipeline import stitched_head, validate_against_target
 from slimspec.convert.rank import energy_curve
 
@@ -42,16 +42,24 @@ def inspect_drafter(drafter: str, target: str | None = None, plot: str | Path | 
         target_head = load_target_head(resolve_model(target, "target"))
         validate_against_target(ckpt, target_head)
         info["target"] = target
+    centered: dict[str, torch.Tensor] = {}
+    heads = {}
     if ckpt.has_head or target_head is not None:
-        draft_head, _ = stitched_head(ckpt, target_head, "draft")
-        spectra["draft vocab head"] = squared_singular_values(gram_matrix(draft_head))
+        heads["draft vocab head"], _ = stitched_head(ckpt, target_head, "draft")
     if target_head is not None and cfg.hidden_size == target_head.hidden_size:
-        full, _ = stitched_head(ckpt, target_head, "full")
-        spectra["full vocab head"] = squared_singular_values(gram_matrix(full))
+        heads["full vocab head"], _ = stitched_head(ckpt, target_head, "full")
+    for name, head in heads.items():
+        gram = gram_matrix(head)
+        spectra[name] = squared_singular_values(gram)
+        centered[name] = squared_singular_values(centered_gram(head, gram))
     d = cfg.hidden_size
-    info["energy"] = {
-        name: {f"d/{n}": float(energy_curve(s2)[d // n - 1]) for n in MARKED_DIVISORS} for name, s2 in spectra.items()
-    }
+
+    def at_marks(found: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+        return {name: {f"d/{n}": float(energy_curve(s2)[d // n - 1]) for n in MARKED_DIVISORS}
+                for name, s2 in found.items()}
+
+    info["energy"] = at_marks(spectra)
+    info["energy_centered"] = at_marks(centered)  # the rows' mean removed: what orders the tokens
     if plot is not None and spectra:
         info["plot"] = str(plot_energy(spectra, d, Path(plot), title=f"{drafter} ({ckpt.layout})"))
     return info

@@ -27,7 +27,8 @@ def _cli(*args):
 
 def test_convert_embedded_target_d8(standin, tmp_path):
     """Catches a wrong stitched head on the real model: the factors must reproduce target rows outside
-    the draft vocab and the drafter's rows inside it, to the accuracy the energy kept implies."""
+    the draft vocab and the drafter's rows inside it, to the accuracy the energy kept implies; and an energy kept
+    with the rows centred that is not the float64 centred spectrum's."""
     out = tmp_path / "out"
     proc = _cli("convert", str(standin), "--target", "embedded:smollm2-135m", "--rank", "d/8", "--out", str(out),
                 "--json")
@@ -45,6 +46,8 @@ def test_convert_embedded_target_d8(standin, tmp_path):
     assert abs(err ** 2 - (1 - report["energy_kept"])) < 5e-3
     s = torch.linalg.svdvals(full.double())
     assert abs(report["energy_kept"] - float((s[:72] ** 2).sum() / (s ** 2).sum())) < 1e-6
+    s = torch.linalg.svdvals(full.double() - full.double().mean(0))  # the part softmax sees
+    assert abs(report["energy_kept_centered"] - float((s[:72] ** 2).sum() / (s ** 2).sum())) < 1e-5
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Eagle3SlimSpecLlamaForCausalLM"] and config["torch_dtype"] == "float16"
 

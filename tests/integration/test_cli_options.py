@@ -82,6 +82,35 @@ def test_outputs_that_cannot_be_made_fail_before_any_work(tmp_path, monkeypatch)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "folder", "m.json"]
 
 
+def test_an_undistilled_conversion_says_so(tmp_path):
+    """Catches a conversion without distillation passing silently for a finished one: the SVD start alone kept
+    rho_tau 0.61 on the embedded drafter at d/8 (BENCHMARKS.md "Without distillation"). One warning line on stderr
+    (also with --json, whose stdout stays one JSON object), and a note in the model card."""
+    from slimspec.checkpoint.writer import NOT_DISTILLED_NOTE
+
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--rank", "8", "--vocab", "draft", "-o",
+                                       str(tmp_path / "o"), "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    json.loads(result.stdout)
+    warned = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: {tmp_path / 'o'} is not distilled"), warned
+    assert "rho_tau 0.61" in warned[0] and f"slimspec distill {tmp_path / 'o'} --steps 200" in warned[0]
+    card = (tmp_path / "o" / "README.md").read_text()
+    assert NOT_DISTILLED_NOTE in card and "an SVD of the head" in card
+
+
+def test_a_distilled_conversion_does_not_warn(tmp_path, monkeypatch):
+    """Catches the not-distilled warning on a conversion that did distil (its report holds "distill")."""
+    import slimspec.convert.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "convert", lambda *a, **kw: pipeline.ConvertResult(
+        out=tmp_path / "o", rank=72, report={"distill": {"steps": 2}}))
+    result = CliRunner().invoke(main, ["convert", "embedded:smollm2-135m-eagle3", "--distill-steps", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["distill"] == {"steps": 2} and result.stderr == ""
+
+
 def test_eval_dataset_that_is_a_folder(tmp_path):
     """Catches an IsADirectoryError traceback for --dataset pointing at a folder."""
     result = CliRunner().invoke(main, ["eval", "embedded:smollm2-135m-eagle3", "--dataset", str(tmp_path)])

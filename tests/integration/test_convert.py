@@ -160,6 +160,10 @@ def test_cli_human_report_and_inspect(tmp_path):
     w = torch.linalg.svdvals(_head(tmp_path))
     expected = float((w[:8] ** 2).sum() / (w ** 2).sum())
     assert abs(info["energy"]["draft vocab head"]["d/4"] - expected) < 1e-6
+    head = _head(tmp_path).double()
+    w = torch.linalg.svdvals(head - head.mean(0))
+    assert abs(info["energy_centered"]["draft vocab head"]["d/4"] - float((w[:8] ** 2).sum() / (w ** 2).sum())) < 1e-6
+    assert "rows centred (the part softmax sees): d/4: " in result.stdout
 
 
 def test_inspect_shows_a_multi_layer_drafter(tmp_path):

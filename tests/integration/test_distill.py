@@ -133,6 +133,7 @@ def test_convert_with_whitened_init_and_distill(tiny_converted, tiny_target, tmp
     assert f"(top-1 agreement {rep['init_kl']['svd']['step0_top1']:.3f})" in table
     assert "random h" not in table
     card = (tmp_path / "o" / "README.md").read_text()
+    assert "not distilled" not in card
     assert f"| held-out KL to the target | {d['kl_before']:.4f} -> {d['kl_after']:.4f} |" in card
     assert f"| held-out top-1 agreement with the target | {d['top1_before']:.4f} -> {d['top1_after']:.4f} |" in card
 
@@ -280,6 +281,12 @@ def test_nan_stops_with_clear_message(tiny_converted, tiny_target, tmp_path):
 
 
 def test_cli_distill_json(tiny_converted, tiny_target, tmp_path):
+    """Catches a distilled folder whose card still says the pair is not distilled (the conversion's note stays
+    until distillation removes it) or loses the card's other text."""
+    from slimspec.checkpoint.writer import NOT_DISTILLED_NOTE
+
+    source_card = (tiny_converted / "README.md").read_text()
+    assert NOT_DISTILLED_NOTE in source_card
     result = CliRunner().invoke(main, ["distill", str(tiny_converted), "-t", str(tiny_target), "--steps", "4",
                                        "--num-prompts", "4", "--max-new-tokens", "8", "--batch-tokens", "64",
                                        "-o", str(tmp_path / "o"), "--json", "-q"])
@@ -287,6 +294,9 @@ def test_cli_distill_json(tiny_converted, tiny_target, tmp_path):
     summary = json.loads(result.stdout)
     assert summary["steps"] == 4 and summary["kl_after"] > 0
     assert json.loads((tmp_path / "o" / "config.json").read_text())["slimspec"]["distilled_steps"] == 4
+    card = (tmp_path / "o" / "README.md").read_text()
+    assert "not distilled" not in card and "\n## Distillation\n\n4 steps of full-vocabulary KL" in card
+    assert card.startswith(source_card.replace(NOT_DISTILLED_NOTE, "")) and "\n\n\n" not in card
 
 
 def test_prompts_sources(tmp_path):

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from slimspec.convert.factorize import factorize, gram_matrix, relative_error, squared_singular_values
+from slimspec.convert.factorize import (
+    centered_gram,
+    factorize,
+    gram_matrix,
+    relative_error,
+    squared_singular_values,
+)
 
 
 def _reference(weight: torch.Tensor, rank: int) -> torch.Tensor:
@@ -87,6 +93,25 @@ def test_singular_values_descending_and_match_svd():
     s2 = squared_singular_values(gram_matrix(w))
     assert torch.all(s2[:-1] >= s2[1:])
     assert torch.allclose(s2.sqrt(), torch.linalg.svdvals(w), rtol=1e-7, atol=1e-9)
+
+
+def test_centered_spectrum_ignores_a_row_added_to_every_row():
+    """Catches an energy figure inflated by the head's mean row, which softmax ignores (82 % of the embedded
+    drafter's head): the centred spectrum equals a float64 SVD of the centred head at an odd shape, over several
+    row chunks, and a large vector added to every row leaves it unchanged while the plain spectrum jumps."""
+    from slimspec.convert.rank import energy_curve
+
+    w = _decaying(301, 37, seed=7)
+    shifted = w + 3.0 * torch.randn(37, dtype=w.dtype)
+    got = squared_singular_values(centered_gram(shifted, gram_matrix(shifted), chunk_rows=64))  # sums over chunks
+    exact = torch.linalg.svdvals(shifted - shifted.mean(0)) ** 2
+    torch.testing.assert_close(got, exact, rtol=1e-9, atol=1e-12 * float(exact.max()))
+    torch.testing.assert_close(squared_singular_values(centered_gram(w, gram_matrix(w))), got, rtol=1e-9,
+                               atol=1e-12 * float(exact.max()))
+    assert float(squared_singular_values(gram_matrix(shifted))[0]) > 10 * float(got[0])
+    low = shifted.float()  # a float32 head: the downdate keeps the energy curve to 1e-4
+    curve = energy_curve(squared_singular_values(centered_gram(low, gram_matrix(low))))
+    torch.testing.assert_close(curve, energy_curve(exact), rtol=0, atol=1e-4)
 
 
 def test_bad_rank():

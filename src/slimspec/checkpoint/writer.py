@@ -102,6 +102,11 @@ def _distilled(report: dict[str, Any]) -> str:
     return f", then distilled {distill.get('steps')} steps against the {teacher}'s distribution (full-vocabulary KL)"
 
 
+NOT_DISTILLED_NOTE = ("\nThe pair is not distilled: a start without distillation can keep much less of the source's "
+                      "acceptance. `slimspec distill` trains it under full-vocabulary KL.\n")
+"""The card's note on a conversion without distillation steps (`slimspec distill` removes it when it trains)."""
+
+
 def _distill_rows(report: dict[str, Any]) -> list[str]:
     """The card's rows of held-out numbers before -> after distillation (first draft position), where measured."""
     distill = report.get("distill") or {}
@@ -141,6 +146,7 @@ def model_card(*, drafter_id: str, target_id: str, rank: int, hidden: int, repor
         f"`W_up (V x {rank}) @ W_down ({rank} x {hidden})` (rank r = {rank} = d/{hidden / rank:.3g}),",
         f"initialised from {'a whitened SVD' if report.get('init') == 'whitened' else 'an SVD'} of the head of "
         f"`{drafter_id}`{_distilled(report)}.",
+        *([] if report.get("distill") else [NOT_DISTILLED_NOTE.rstrip("\n")]),
         "",
         "| quantity | value |",
         "|---|---|",

@@ -23,8 +23,14 @@ from slimspec.checkpoint.writer import (
     save_tensors,
     write_json,
 )
-from slimspec.convert.factorize import factorize, gram_matrix, relative_error, squared_singular_values
-from slimspec.convert.rank import parse_rank
+from slimspec.convert.factorize import (
+    centered_gram,
+    factorize,
+    gram_matrix,
+    relative_error,
+    squared_singular_values,
+)
+from slimspec.convert.rank import energy_curve, parse_rank
 from slimspec.errors import CheckpointError, SlimSpecError, SlimSpecWarning
 from slimspec.progress import Stages
 
@@ -244,6 +250,7 @@ def convert(
         gram = gram_matrix(weight)
     with stages.stage("spectrum", "singular values"):
         s2 = squared_singular_values(gram)
+        s2_centered = squared_singular_values(centered_gram(weight, gram))
     if r is None:
         r = parse_rank(rank, hidden, s2)
         if out is None:
@@ -281,7 +288,7 @@ def convert(
     svd_err = rel_err
     if distill_report is not None:  # the written factors, not the SVD start they replaced
         rel_err = relative_error(weight, w_up.float(), w_down.float())
-    energy = float(s2[:r].sum() / s2.sum()) if float(s2.sum()) > 0 else 1.0
+    energy, energy_centered = (float(energy_curve(spectrum)[r - 1]) for spectrum in (s2, s2_centered))
     source_rows = ckpt.head_weight().shape[0] if ckpt.has_head else weight.shape[0]
     out_dtype = dtype or ckpt.dtype
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -316,6 +323,7 @@ def convert(
         "rows_from_drafter": rows_from_drafter,
         "rows_from_target": head_vocab - rows_from_drafter,
         "energy_kept": energy,
+        "energy_kept_centered": energy_centered,  # the rows' mean removed: the part softmax sees
         "relative_frobenius_error": rel_err,
         "svd_relative_frobenius_error": svd_err,
         "head_params_source": source_rows * hidden if source_rank is None else source_rank * (source_rows + hidden),

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from slimspec.checkpoint.drafter import DrafterCheckpoint, load_drafter
-from slimspec.checkpoint.writer import atomic_folder, check_output_free, save_tensors, write_json
+from slimspec.checkpoint.writer import NOT_DISTILLED_NOTE, atomic_folder, check_output_free, save_tensors, write_json
 from slimspec.distill.prompts import load_prompts
 from slimspec.distill.teacher import TeacherData, TeacherSettings, aux_layers_for, build_teacher_data
 from slimspec.distill.train import (
@@ -299,7 +299,7 @@ def write_distilled(source: Path, ckpt: DrafterCheckpoint, drafter: Eagle3Drafte
         write_json(tmp / "slimspec.json", report)
         card = source / "README.md"
         if card.exists():
-            text = card.read_text()
+            text = card.read_text().replace(NOT_DISTILLED_NOTE, "", 1)
             kl = (f"step-0 KL {result.kl_before:.4f} -> {result.kl_after:.4f}{top1_text(result)} on held-out tokens"
                   if math.isfinite(result.kl_before) else "no held-out answer tokens to measure the KL on")
             text += f"\n## Distillation\n\n{result.steps} steps of full-vocabulary KL against `{target}`: {kl}.\n"
