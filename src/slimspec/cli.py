@@ -225,8 +225,8 @@ def _refuse_unused_convert_options(ctx: click.Context, drafter: str, target: str
             raise click.UsageError(f"--push-to {push_to!r} is not a Hub repo id (owner/name)")
 
 
-UNDISTILLED_EXAMPLE = ("the embedded drafter at d/8 keeps rho_tau 0.61 from the SVD start, 0.88-0.90 after the "
-                       "demo's 200 steps")
+UNDISTILLED_EXAMPLE = ("the embedded drafter at d/8 keeps rho_tau 0.61 from the SVD start, 0.75 from the whitened "
+                       "one, 0.90 after the demo's 200 steps")
 """Measured (BENCHMARKS.md "Without distillation"): why `convert` warns when it does not distil."""
 
 RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "overwrite", "distill_steps", "num_prompts",
@@ -307,9 +307,11 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
                              distill_steps=distill_steps, data_options=options, distill_config=cfg)
     report = {"out": str(result.out), **result.report}
     if "distill" not in report:
+        from slimspec.distill.pipeline import brief_command
+
         warnings.warn(f"{result.out} is not distilled: a conversion without --distill-steps can lose most of the "
-                      f"drafter's acceptance ({UNDISTILLED_EXAMPLE}); distil it with `slimspec distill "
-                      f"{result.out} --steps 200` or convert with --distill-steps 200", SlimSpecWarning, stacklevel=1)
+                      f"drafter's acceptance ({UNDISTILLED_EXAMPLE}). The demo's brief distillation: "
+                      f"{brief_command(drafter, str(result.rank))}", SlimSpecWarning, stacklevel=1)
     if push_to:
         from slimspec.publish import push as run_push
 
