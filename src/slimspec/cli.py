@@ -192,9 +192,7 @@ def _data_option_names() -> set[str]:
 def _refuse_unread_data_options(ctx: click.Context, rank: str, init: str, distill_steps: int) -> None:
     """Data and distillation options of a conversion that computes no teacher data (or trains nothing) are refused,
     rather than silently ignored (``convert --aux-layers 2,5,8`` with an SVD start used to run as if not given)."""
-    if rank == "auto":
-        return
-    if distill_steps > 0:
+    if rank == "auto" or distill_steps > 0:  # --rank auto refuses what its recipe ignores; steps read everything
         return
     given = [p for p in ctx.command.params if p.name in _data_option_names() and _given(ctx, p.name)]
     if init != "whitened" and given:
