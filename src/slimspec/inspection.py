@@ -61,7 +61,8 @@ def inspect_drafter(drafter: str, target: str | None = None, plot: str | Path | 
     info["energy"] = at_marks(spectra)
     info["energy_centered"] = at_marks(centered)  # the rows' mean removed: what orders the tokens
     if plot is not None and spectra:
-        info["plot"] = str(plot_energy(spectra, d, Path(plot), title=f"{drafter} ({ckpt.layout})"))
+        curves = {**spectra, **{f"{name}, rows centred": s2 for name, s2 in centered.items()}}
+        info["plot"] = str(plot_energy(curves, d, Path(plot), title=f"{drafter} ({ckpt.layout})"))
     return info
 
 

@@ -101,6 +101,8 @@ def test_an_undistilled_conversion_says_so(tmp_path):
                               "--max-new-tokens 64 --generation-engine static"), warned[0]
     card = (tmp_path / "o" / "README.md").read_text()
     assert NOT_DISTILLED_NOTE in card and "an SVD of the head" in card
+    report = json.loads(result.stdout)
+    assert f"| energy kept, rows centred (what softmax sees) | {report['energy_kept_centered']:.4f} |" in card
 
 
 def test_a_distilled_conversion_does_not_warn(tmp_path, monkeypatch):

@@ -153,6 +153,8 @@ def model_card(*, drafter_id: str, target_id: str, rank: int, hidden: int, repor
         f"| rank | {rank} |",
         f"| head vocabulary | {report.get('head_vocab')} ({report.get('vocab_mode')}) |",
         f"| energy kept | {energy:.4f} |" if energy is not None else "| energy kept | - |",
+        *([f"| energy kept, rows centred (what softmax sees) | {centred:.4f} |"]
+          if (centred := report.get("energy_kept_centered")) is not None else []),
         f"| relative Frobenius error | {err:.4f} |" if err is not None else "| relative Frobenius error | - |",
         f"| head FLOP ratio | {flops:.4f} |" if flops is not None else "| head FLOP ratio | - |",
         *_distill_rows(report),
