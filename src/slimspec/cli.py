@@ -175,6 +175,11 @@ def _given(ctx: click.Context, name: str) -> bool:
     return ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
 
 
+def _given_options(ctx: click.Context, wanted) -> list[click.Parameter]:
+    """The command's parameters named on the command line whose name ``wanted(name)`` accepts, in --help order."""
+    return [p for p in ctx.command.params if wanted(p.name) and _given(ctx, p.name)]
+
+
 def _is_local(name: str) -> bool:
     from slimspec import embedded
 
@@ -194,7 +199,7 @@ def _refuse_unread_data_options(ctx: click.Context, rank: str, init: str, distil
     rather than silently ignored (``convert --aux-layers 2,5,8`` with an SVD start used to run as if not given)."""
     if rank == "auto" or distill_steps > 0:  # --rank auto refuses what its recipe ignores; steps read everything
         return
-    given = [p for p in ctx.command.params if p.name in _data_option_names() and _given(ctx, p.name)]
+    given = _given_options(ctx, _data_option_names().__contains__)
     if init != "whitened" and given:
         raise click.UsageError(f"this conversion reads no data (SVD start, no --distill-steps), so "
                                f"{', '.join(p.opts[0] for p in given)} would be ignored: add --distill-steps N "
@@ -285,8 +290,7 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
         from slimspec.evaluate.acceptance import target_of
         from slimspec.evaluate.plane import convert_rank_auto
 
-        fixed = [p.opts[0] for p in ctx.command.params if p.name not in RANK_AUTO_OPTIONS
-                 and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
+        fixed = [p.opts[0] for p in _given_options(ctx, lambda name: name not in RANK_AUTO_OPTIONS)]
         if fixed:
             raise click.UsageError(f"--rank auto runs the plane's own recipe (drafter teacher, shipped calibration "
                                    f"prompts) and takes no {', '.join(fixed)}")
@@ -392,8 +396,7 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
 
     ctx = click.get_current_context()
     if not from_scratch:
-        scratch_only = [p.opts[0] for p in ctx.command.params
-                        if p.name in ("draft_vocab", "head_rank", "layers") and _given(ctx, p.name)]
+        scratch_only = [p.opts[0] for p in _given_options(ctx, {"draft_vocab", "head_rank", "layers"}.__contains__)]
         if scratch_only:
             raise click.UsageError(f"{', '.join(scratch_only)} go with --from-scratch (a CHECKPOINT keeps its own)")
         if backbone_lr is not None and not train_backbone:
@@ -568,7 +571,7 @@ def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_
 
     pyplot()  # before the hour of measurements, not after
     resolve_device(device)
-    if any(v not in ("full", "draft") for v in vocabs.split(",")):
+    if any(v not in choices.VOCABS for v in vocabs.split(",")):
         raise click.BadParameter(f"expected full and/or draft, got {vocabs!r}", param_hint="--vocab")
     sizes = _number_list(trim_sizes, int, "--trim-sizes")
     curves = _number_list(kappas, float, "--kappa")
@@ -663,8 +666,6 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
 
     where = resolve_device(device)
 
-    if any(b <= 0 for b in batches):
-        raise click.BadParameter("batch sizes must be > 0", param_hint="--batch")
     if checkpoint and any(x is not None for x in (vocab, hidden, rank)):
         raise click.UsageError("--vocab, --hidden and --rank describe a head without CHECKPOINT (it has its own)")
     if not with_kappa and (target is not None or rho_tau is not None):
@@ -688,8 +689,6 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
         rho_tau = rho_tau or saved.get("rho_tau")
     elif vocab is None or hidden is None or rank is None:
         raise click.UsageError("give a CHECKPOINT or --vocab, --hidden and --rank")
-    elif min(vocab, hidden, rank) <= 0 or (source_vocab is not None and source_vocab <= 0):
-        raise click.UsageError("--vocab, --hidden, --rank and --source-vocab must be > 0")
     names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     rows = [head_latency(vocab, hidden, rank, batch=b, dtype=names[d], source_vocab=source_vocab, device=where)
             for d in (dtypes or ("fp32",)) for b in (batches or (1, 64))]
