@@ -4,22 +4,34 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slimspec import choices
-from slimspec.errors import SlimSpecError, first_line
+from slimspec.errors import SlimSpecError, SlimSpecWarning, first_line
 
+DISTILL_DEFAULTS: dict[str, Any] = {"teacher": "target", "lr": 2e-3, "warmup_steps": 10, "batch_tokens": 2048,
+                                    "ttt_steps": 3, "seed": 0, "bf16": False, "teacher_temperature": 1.0,
+                                    "temperature": 0.0, "aux_layers": None, "aux_convention": None}
+"""Distillation keys of a job and their values when absent (those of ``slimspec convert``'s options)."""
 JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "init", "distill_steps", "data",
             "num_prompts", "responses", "max_new_tokens", "overwrite", "push_to", "eval_prompts", "revision",
-            "generation_engine", "generation_dtype", "target_revision", "device"}
-INT_KEYS = {"distill_steps": 0, "num_prompts": 0, "max_new_tokens": 1, "eval_prompts": 0}  # smallest value each
+            "generation_engine", "generation_dtype", "target_revision", "device", "recipe", *DISTILL_DEFAULTS}
+INT_KEYS = {"distill_steps": 0, "num_prompts": 0, "max_new_tokens": 1, "eval_prompts": 0,  # smallest value each
+            "warmup_steps": 0, "batch_tokens": 1, "ttt_steps": 1}
+FLOAT_KEYS = {"lr": False, "teacher_temperature": False, "temperature": True}  # True: 0 allowed, else > 0
 CHOICES = {"vocab": choices.VOCABS, "stitch": choices.STITCHES, "init": choices.INITS,
            "dtype": (*choices.OUTPUT_DTYPES, None), "responses": choices.RESPONSES,
-           "generation_engine": choices.GENERATION_ENGINES, "generation_dtype": choices.GENERATION_DTYPES}
+           "generation_engine": choices.GENERATION_ENGINES, "generation_dtype": choices.GENERATION_DTYPES,
+           "teacher": choices.TEACHERS, "aux_convention": ("input", "output", None), "recipe": choices.RECIPES}
+DISTILL_CONFIG_KEYS = ("teacher", "lr", "warmup_steps", "batch_tokens", "ttt_steps", "seed", "bf16",
+                       "teacher_temperature")
+"""The job keys that become ``DistillConfig`` fields (the other distillation keys shape the teacher data)."""
 SETTINGS = ("drafter", "target", "rank", "vocab", "dtype", "stitch", "init", "distill_steps", "data", "num_prompts",
             "responses", "max_new_tokens", "revision")
 
@@ -34,6 +46,7 @@ class JobResult:
     seconds: float = 0.0
     tau: float | None = None
     pushed_to: str | None = None
+    distilled: bool | None = None  # False: the pair is only a start (a job without distill_steps)
 
     def line(self) -> str:
         return json.dumps({k: v for k, v in self.__dict__.items()})
@@ -77,6 +90,9 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
         if not isinstance(job, dict):
             raise SlimSpecError(f"{path}: job {i + 1} is not a mapping")
         merged = {**defaults, **job}
+        if merged.get("recipe") is not None:
+            _check_values({"recipe": merged["recipe"]}, f"{path}: job {i + 1}")
+            merged = {**recipe_keys(merged), **merged}  # what the job or the defaults give overrides the recipe
         unknown = set(merged) - JOB_KEYS - {"name"}
         if unknown:
             raise SlimSpecError(f"{path}: job {i + 1} has unknown option(s) {', '.join(sorted(unknown))}")
@@ -102,15 +118,38 @@ def _check_values(job: dict[str, Any], where: str) -> None:
         if key in job and job[key] not in allowed:
             shown = ", ".join(str(a) for a in allowed if a is not None)
             raise SlimSpecError(f"{where}: {key} must be one of {shown}, got {job[key]!r}")
-    if "overwrite" in job and not isinstance(job["overwrite"], bool):
-        raise SlimSpecError(f"{where}: overwrite must be true or false, got {job['overwrite']!r}")
+    for key, zero_allowed in FLOAT_KEYS.items():
+        value = job.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0 or value == 0 and not zero_allowed):
+            raise SlimSpecError(f"{where}: {key} must be a number {'>=' if zero_allowed else '>'} 0, got {value!r}")
+    for key in ("overwrite", "bf16"):
+        if key in job and not isinstance(job[key], bool):
+            raise SlimSpecError(f"{where}: {key} must be true or false, got {job[key]!r}")
+    if "seed" in job and (isinstance(job["seed"], bool) or not isinstance(job["seed"], int)):
+        raise SlimSpecError(f"{where}: seed must be an integer, got {job['seed']!r}")
+    layers = job.get("aux_layers")
+    if layers is not None and not (isinstance(layers, list) and layers and all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)):
+        raise SlimSpecError(f"{where}: aux_layers must be a list of layer indices >= 0, e.g. [2, 15, 27], "
+                            f"got {layers!r}")
     if "rank" in job and (isinstance(job["rank"], bool) or not isinstance(job["rank"], (int, str))):
         raise SlimSpecError(f"{where}: rank must be d/N, an integer or energy:F, got {job['rank']!r}")
+
+
+def recipe_keys(job: dict[str, Any]) -> dict[str, Any]:
+    """The job keys of ``recipe: brief``: the demo's brief distillation (``convert --recipe brief``)."""
+    from slimspec.distill.pipeline import brief_keys
+
+    return brief_keys(str(job.get("drafter")), job.get("target"))
 
 
 def job_fingerprint(job: dict[str, Any]) -> str:
     """Hash of the settings that decide a job's output (not its name, out, overwrite or push)."""
     payload = {k: job.get(k) for k in SETTINGS}
+    for key, default in DISTILL_DEFAULTS.items():  # absent or at their default: the fingerprints jobs always had
+        if job.get(key, default) != default:
+            payload[key] = job[key]
     if job.get("generation_engine", "transformers") != "transformers":  # absent: the fingerprints jobs always had
         payload["generation_engine"] = job["generation_engine"]
     if job.get("generation_dtype", "auto") != "auto":
@@ -158,6 +197,7 @@ def written_by_batch(out: Path) -> bool:
 def run_job(job: dict[str, Any]) -> JobResult:
     from slimspec.convert.pipeline import convert, model_name
     from slimspec.distill.pipeline import DataOptions
+    from slimspec.distill.train import DistillConfig
 
     start = time.perf_counter()
     fingerprint = job_fingerprint(job)
@@ -166,7 +206,7 @@ def run_job(job: dict[str, Any]) -> JobResult:
     if finished(out, fingerprint, inputs) and not job.get("push_to") and not job.get("eval_prompts"):
         report = json.loads((out / "slimspec.json").read_text())
         return JobResult(job=job["name"], status="skipped", out=str(out), rank=report.get("rank"),
-                         tau=report.get("tau"))
+                         tau=report.get("tau"), distilled="distill" in report)
     tau = None
     if finished(out, fingerprint, inputs):
         report = json.loads((out / "slimspec.json").read_text())
@@ -177,13 +217,18 @@ def run_job(job: dict[str, Any]) -> JobResult:
                               max_new_tokens=int(job.get("max_new_tokens", 128)),
                               engine=job.get("generation_engine", "transformers"),
                               generation_dtype=None if job.get("generation_dtype", "auto") == "auto"
-                              else job["generation_dtype"], device=job.get("device"))
+                              else job["generation_dtype"], device=job.get("device"),
+                              temperature=float(job.get("temperature", 0.0)),
+                              seed=int(job.get("seed", 0)) if job.get("temperature", 0.0) > 0 else 0,
+                              aux_layers=job.get("aux_layers"), aux_convention=job.get("aux_convention"))
+        config = DistillConfig(steps=int(job.get("distill_steps", 0)),
+                               **{key: job[key] for key in DISTILL_CONFIG_KEYS if job.get(key) is not None})
         result = convert(str(job["drafter"]), job.get("target"), job.get("rank", "d/8"), vocab=job.get("vocab", "full"),
                          out=out, dtype=job.get("dtype"), revision=job.get("revision"),
                          overwrite=bool(job.get("overwrite")) or written_by_batch(out),
                          target_revision=job.get("target_revision"),
                          progress=False, stitch=job.get("stitch", "target"), init=job.get("init", "auto"),
-                         distill_steps=int(job.get("distill_steps", 0)), data_options=options,
+                         distill_steps=int(job.get("distill_steps", 0)), data_options=options, distill_config=config,
                          extra_report={"batch_job": fingerprint, "batch_inputs": inputs})
         report, status = result.report, "done"
     if job.get("eval_prompts"):
@@ -200,7 +245,8 @@ def run_job(job: dict[str, Any]) -> JobResult:
         plan = push(out, job["push_to"])
         pushed = plan.url or job["push_to"]
     return JobResult(job=job["name"], status=status, out=str(out), rank=report.get("rank"),
-                     seconds=round(time.perf_counter() - start, 3), tau=tau, pushed_to=pushed)
+                     seconds=round(time.perf_counter() - start, 3), tau=tau, pushed_to=pushed,
+                     distilled="distill" in report)
 
 
 def run_batch(manifest: Path, *, continue_on_error: bool = False, report_path: Path | None = None) -> list[JobResult]:
@@ -228,9 +274,18 @@ def run_batch(manifest: Path, *, continue_on_error: bool = False, report_path: P
             results.append(result)
             detail = result.error if result.status == "failed" else (
                 f"rank {result.rank} -> {result.out}" if result.out else "")
+            if result.distilled is False:
+                detail += " (not distilled)"
             print(f"{label}: {result.status} {detail} ({result.seconds:.1f}s)", file=sys.stderr, flush=True)
             print(result.line(), file=sink, flush=True)
     finally:
         if report_path:
             sink.close()
+    undistilled = [r.job for r in results if r.distilled is False]
+    if undistilled:
+        from slimspec.distill.pipeline import UNDISTILLED_EXAMPLE
+
+        warnings.warn(f"{len(undistilled)} job(s) not distilled ({', '.join(undistilled)}): a conversion without "
+                      f"distill_steps can lose most of the drafter's acceptance ({UNDISTILLED_EXAMPLE}); give them "
+                      "recipe: brief (the demo's brief distillation) or distill_steps", SlimSpecWarning, stacklevel=2)
     return results

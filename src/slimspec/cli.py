@@ -110,7 +110,7 @@ def data_options(func):
         click.option("--aux-convention", type=click.Choice(["input", "output"]),
                      help="How --aux-layers / the config count: index of the layer a state enters (vLLM) or leaves "
                           "(SpecForge/ModelOpt). Default: by the drafter's layout."),
-        click.option("--teacher", type=click.Choice(["target", "drafter"]), default="target", show_default=True,
+        click.option("--teacher", type=click.Choice(choices.TEACHERS), default="target", show_default=True,
                      help="What the head is distilled against. target: the target's next-token distribution "
                           "(full-vocabulary KL; learns beyond the source drafter, needs data). drafter: the source "
                           "drafter's own full-rank head on the same states (recovers the original's acceptance "
@@ -228,10 +228,6 @@ def _refuse_unused_convert_options(ctx: click.Context, drafter: str, target: str
             raise click.UsageError(f"--push-to {push_to!r} is not a Hub repo id (owner/name)")
 
 
-UNDISTILLED_EXAMPLE = ("the embedded drafter at d/8 keeps rho_tau 0.61 from the SVD start, 0.75 from the whitened "
-                       "one, 0.90 after the demo's 200 steps")
-"""Measured (BENCHMARKS.md "Without distillation"): why `convert` warns when it does not distil."""
-
 RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "overwrite", "distill_steps", "num_prompts",
                      "push_to", "as_json", "quiet", "device"}
 """The convert options --rank auto honours; it refuses the others rather than ignore them."""
@@ -265,13 +261,18 @@ RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "over
                    "--distill-steps > 0 (half the starting KL on the reference drafter), else svd.")
 @click.option("--distill-steps", type=click.IntRange(min=0), default=0, show_default=True,
               help="Then distil the pair for N steps under full-vocabulary KL (against --teacher).")
+@click.option("--recipe", type=click.Choice(choices.RECIPES),
+              help="brief: the demo's brief distillation for every option not given (--vocab draft, 200 steps "
+                   "against the drafter's own head on the shipped calibration prompts' 64-token answers, lr 5e-3; "
+                   "0.90 of tau kept at d/8 on the embedded drafter); options given here override it.")
 @data_options
 @click.option("--push-to", help="After a successful conversion, push the folder to this Hub repo id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
 def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path | None, dtype: str | None,
             overwrite: bool, revision: str | None, target_revision: str | None, stitch: str, init: str,
-            distill_steps: int, push_to: str | None, as_json: bool, quiet: bool, kappa: float, **kw) -> None:
+            distill_steps: int, push_to: str | None, as_json: bool, quiet: bool, kappa: float, recipe: str | None,
+            **kw) -> None:
     """Replace DRAFTER's LM head by an SVD-initialised low-rank pair and write a vLLM-ready folder.
 
     \b
@@ -282,6 +283,18 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
     from slimspec.convert.pipeline import convert as run_convert
 
     ctx = click.get_current_context()
+    if recipe is not None and rank != "auto":  # --rank auto refuses it below, with the options its recipe ignores
+        from slimspec.distill.pipeline import brief_keys
+
+        for key, value in brief_keys(drafter, target).items():
+            if _given(ctx, key):
+                continue
+            if key == "vocab":
+                vocab = value
+            elif key == "distill_steps":
+                distill_steps = value
+            else:
+                kw[key] = value
     _refuse_unused_convert_options(ctx, drafter, target, rank, vocab, revision, target_revision, push_to)
     _refuse_unread_data_options(ctx, rank, init, distill_steps)
     options, cfg = _data_and_config(kw, distill_steps)
@@ -309,11 +322,12 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
                              distill_steps=distill_steps, data_options=options, distill_config=cfg)
     report = {"out": str(result.out), **result.report}
     if "distill" not in report:
-        from slimspec.distill.pipeline import brief_command
+        from slimspec.distill.pipeline import UNDISTILLED_EXAMPLE, brief_command
 
         warnings.warn(f"{result.out} is not distilled: a conversion without --distill-steps can lose most of the "
-                      f"drafter's acceptance ({UNDISTILLED_EXAMPLE}). The demo's brief distillation: "
-                      f"{brief_command(drafter, str(result.rank))}", SlimSpecWarning, stacklevel=1)
+                      f"drafter's acceptance ({UNDISTILLED_EXAMPLE}). The demo's brief distillation: add "
+                      f"--recipe brief, that is {brief_command(drafter, str(result.rank))}", SlimSpecWarning,
+                      stacklevel=1)
     if push_to:
         from slimspec.publish import push as run_push
 
@@ -500,11 +514,14 @@ def batch(manifest: Path, continue_on_error: bool, report: Path | None) -> None:
     """Run the conversions listed in MANIFEST (YAML, JSON or JSON lines).
 
     \b
-    MANIFEST: {defaults: {target: ..., rank: d/8}, jobs: [{drafter: ..., out: ..., push_to: ...}, ...]}
+    MANIFEST: {defaults: {target: ..., recipe: brief}, jobs: [{drafter: ..., out: ..., push_to: ...}, ...]}
     Job options: drafter, target, rank, vocab, out, overwrite, dtype, stitch, init, distill_steps, data,
     num_prompts, responses, max_new_tokens, generation_engine, generation_dtype, revision (the drafter's),
     target_revision, device (where the teacher data is computed and the head distilled; not part of what makes a
-    job's output), push_to, eval_prompts (measure tau on that many mt_bench prompts).
+    job's output), push_to, eval_prompts (measure tau on that many mt_bench prompts); the distillation's teacher,
+    lr, warmup_steps, batch_tokens, ttt_steps, seed, bf16, teacher_temperature, temperature, aux_layers (a list),
+    aux_convention, as convert's options; recipe: brief (convert --recipe brief: the demo's distillation, under
+    any key the job or the defaults give). Jobs without distillation are named in a warning at the end.
     A job whose output already holds the same conversion is skipped, one holding another batch job's is
     replaced (any other existing folder only with overwrite: true; never the drafter's own);
     outputs are written atomically, so a killed batch can simply be run again. Exit code 1 when any job failed.

@@ -3,7 +3,9 @@
 import json
 import subprocess
 import sys
+import warnings
 
+import pytest
 import yaml
 from click.testing import CliRunner
 
@@ -162,9 +164,23 @@ def test_import_is_light_and_api_is_complete():
     """`import slimspec` must not import vLLM, Triton or transformers; the documented API resolves."""
     code = ("import sys, slimspec; heavy = [m for m in ('vllm', 'triton', 'transformers') if m in sys.modules];"
             "print(heavy); print(all(callable(getattr(slimspec, n)) for n in "
-            "('convert', 'distill', 'evaluate', 'push', 'factorize')))")
+            "('convert', 'convert_briefly', 'distill', 'evaluate', 'push', 'factorize')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["[]", "True"]
+
+
+def test_api_functions_stay_callable_after_their_packages_load():
+    """Catches `slimspec.evaluate(...)` (and `slimspec.distill(...)`) working once: the first call imported
+    `slimspec.evaluate.acceptance`, which bound the package `slimspec.evaluate` over the function, so the README's
+    pipeline loop failed on its second drafter with "'module' object is not callable"."""
+    code = ("import slimspec, slimspec.evaluate.acceptance as a, slimspec.distill.pipeline as d\n"
+            "a.evaluate = lambda *x, **k: ('evaluate', x, k)\n"
+            "d.distill = lambda *x, **k: ('distill', x, k)\n"
+            "print([slimspec.evaluate('o', num_prompts=2), slimspec.evaluate('p'), slimspec.distill('q'), "
+            "slimspec.distill('r'), callable(slimspec.convert), slimspec.convert_briefly.__name__])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ("[('evaluate', ('o',), {'num_prompts': 2}), ('evaluate', ('p',), {}), ('distill', ('q',), {}), "
+                   "('distill', ('r',), {}), True, 'convert_briefly']")
 
 
 def test_device_is_a_job_option_outside_the_fingerprint(tmp_path, monkeypatch):
@@ -185,3 +201,103 @@ def test_device_is_a_job_option_outside_the_fingerprint(tmp_path, monkeypatch):
     monkeypatch.setattr("slimspec.convert.pipeline.convert", fake_convert)
     result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.json")])
     assert seen == {"device": "cpu"}, result.output
+
+
+def _captured_convert(monkeypatch):
+    """Replace ``convert`` by a capture of the options a batch job hands it (the job then fails, "stop here")."""
+    seen = []
+
+    def capture(drafter, target, rank, **kw):
+        seen.append({"drafter": str(drafter), "target": target, "rank": str(rank), "vocab": kw["vocab"],
+                     "steps": kw["distill_steps"], "options": kw["data_options"], "config": kw["distill_config"]})
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("slimspec.convert.pipeline.convert", capture)
+    return seen
+
+
+def test_recipe_brief_runs_the_demos_distillation(tmp_path, monkeypatch):
+    """Catches a manifest that cannot say the demo's recipe: without it a job's distillation ran against the
+    target, at lr 2e-3, on 128-token answers (0.87 of the drafter teacher's result, BENCHMARKS.md), whatever the
+    README recommended. `recipe: brief` must hand `convert` exactly what `convert_briefly` does, and a key the job
+    or the defaults give must override the recipe's."""
+    from slimspec.distill.pipeline import convert_briefly
+    from slimspec.embedded import EMBEDDED_DRAFTER, EMBEDDED_TARGET
+
+    seen = _captured_convert(monkeypatch)
+    with pytest.raises(RuntimeError, match="stop here"):
+        convert_briefly(EMBEDDED_DRAFTER, EMBEDDED_TARGET, "d/8", tmp_path / "o")
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump({"defaults": {"recipe": "brief"}, "jobs": [
+        {"drafter": EMBEDDED_DRAFTER, "target": EMBEDDED_TARGET, "out": str(tmp_path / "o")},
+        {"drafter": EMBEDDED_DRAFTER, "out": str(tmp_path / "o2"), "distill_steps": 7, "lr": 1e-3, "vocab": "full"}]}))
+    result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.yaml"), "--continue-on-error"])
+    assert result.exit_code == 1 and len(seen) == 3, result.output
+    ran, job, overridden = seen
+    assert job["options"].teacher_settings([1, 2, 3]) == ran["options"].teacher_settings([1, 2, 3])
+    assert job["options"].num_prompts == ran["options"].num_prompts
+    assert job["config"] == ran["config"] and ran["config"].teacher == "drafter"
+    assert {k: job[k] for k in ("drafter", "target", "rank", "vocab", "steps")} == \
+        {k: ran[k] for k in ("drafter", "target", "rank", "vocab", "steps")}
+    assert (overridden["steps"], overridden["config"].lr, overridden["vocab"]) == (7, 1e-3, "full")
+    assert overridden["config"].teacher == "drafter" and overridden["options"].max_new_tokens == 64
+
+
+def test_distillation_keys_reach_the_loop_and_the_fingerprint(tmp_path, monkeypatch):
+    """Catches distillation knobs a manifest could not set (teacher, lr, TTT unroll, ...), or set without effect,
+    and a key at its default changing the fingerprint (finished jobs would all run again)."""
+    from slimspec.batch import job_fingerprint
+
+    seen = _captured_convert(monkeypatch)
+    keys = {"teacher": "drafter", "lr": 1e-3, "warmup_steps": 3, "batch_tokens": 512, "ttt_steps": 2, "seed": 5,
+            "bf16": True, "teacher_temperature": 0.5, "temperature": 0.7, "aux_layers": [1, 2, 3],
+            "aux_convention": "output"}
+    job = {"drafter": "x", "distill_steps": 4, **keys}
+    (tmp_path / "m.json").write_text(json.dumps([job]))
+    CliRunner().invoke(main, ["batch", str(tmp_path / "m.json")])
+    config, options = seen[0]["config"], seen[0]["options"]
+    assert (config.teacher, config.lr, config.warmup_steps, config.batch_tokens, config.ttt_steps, config.seed,
+            config.bf16, config.teacher_temperature) == (
+        "drafter", 1e-3, 3, 512, 2, 5, True, 0.5)
+    assert (options.temperature, options.seed, options.aux_layers, options.aux_convention) == (
+        0.7, 5, [1, 2, 3], "output")
+    plain = {"drafter": "x", "distill_steps": 4}
+    assert job_fingerprint({**plain, "teacher": "target", "lr": 2e-3, "bf16": False}) == job_fingerprint(plain)
+    assert job_fingerprint(plain) == "4066b6d7ab72d2af"  # the fingerprint such a job had before these keys
+    for key, value in keys.items():
+        assert job_fingerprint({**plain, key: value}) != job_fingerprint(plain), key
+
+
+@pytest.mark.parametrize("job, needle", [
+    ({"lr": 0}, "lr must be a number > 0, got 0"),
+    ({"temperature": -1}, "temperature must be a number >= 0"),
+    ({"teacher": "student"}, "teacher must be one of target, drafter"),
+    ({"aux_layers": "2,5,8"}, "aux_layers must be a list of layer indices"),
+    ({"bf16": "yes"}, "bf16 must be true or false"),
+    ({"seed": 1.5}, "seed must be an integer"),
+    ({"ttt_steps": 0}, "ttt_steps must be an integer >= 1"),
+    ({"recipe": "fast"}, "recipe must be one of brief"),
+])
+def test_bad_distillation_keys_fail_before_any_job(job, needle, tmp_path):
+    (tmp_path / "m.json").write_text(json.dumps([{"drafter": "x"}, {"drafter": "y", **job}]))
+    result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.json")])
+    assert result.exit_code == 2 and f"job 2: {needle}" in result.stderr, result.output
+
+
+def test_undistilled_jobs_are_named(tmp_path):
+    """Catches a batch of undistilled conversions passing for finished ones (the SVD start alone kept rho_tau 0.61
+    on the embedded drafter at d/8): the report says distilled false, the job's line says so, and one warning
+    names the jobs and the recipe that fixes them."""
+    _setup(tmp_path)
+    (tmp_path / "m.json").write_text(json.dumps({"defaults": {"target": str(tmp_path / "t"), "rank": 6}, "jobs": [
+        {"drafter": str(tmp_path / "d1"), "out": str(tmp_path / "o1"), "name": "one"},
+        {"drafter": str(tmp_path / "d2"), "out": str(tmp_path / "o2"), "name": "two"}]}))
+    for _ in range(2):  # done, then skipped: both say it
+        with warnings.catch_warnings():  # one process, same warning twice: Python would show it once
+            warnings.simplefilter("always")
+            result, rows = _run(tmp_path / "m.json")
+        assert result.exit_code == 0, result.output
+        assert [rows[name]["distilled"] for name in ("one", "two")] == [False, False]
+        assert result.stderr.count("(not distilled)") == 2
+        warned = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+        assert len(warned) == 1 and "2 job(s) not distilled (one, two)" in warned[0] and "recipe: brief" in warned[0], \
+            result.stderr

@@ -96,9 +96,10 @@ def test_an_undistilled_conversion_says_so(tmp_path):
     warned = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(warned) == 1 and warned[0].startswith(f"warning: {tmp_path / 'o'} is not distilled"), warned
     assert "rho_tau 0.61" in warned[0]
-    assert warned[0].endswith(f"The demo's brief distillation: slimspec convert {tmp_path / 'd'} --rank 8 --vocab "
-                              "draft --distill-steps 200 --teacher drafter --lr 0.005 --warmup-steps 5 "
-                              "--max-new-tokens 64 --generation-engine static"), warned[0]
+    assert warned[0].endswith(f"The demo's brief distillation: add --recipe brief, that is slimspec convert "
+                              f"{tmp_path / 'd'} --rank 8 --vocab draft --distill-steps 200 --teacher drafter --lr "
+                              "0.005 --warmup-steps 5 --batch-tokens 2048 --max-new-tokens 64 --generation-engine "
+                              "static"), warned[0]
     card = (tmp_path / "o" / "README.md").read_text()
     assert NOT_DISTILLED_NOTE in card and "an SVD of the head" in card
     report = json.loads(result.stdout)
@@ -195,6 +196,23 @@ def test_demo_command_line_is_the_demo_recipe(monkeypatch, tmp_path):
     assert printed["config"] == ran["config"]
     assert {k: printed[k] for k in ("drafter", "target", "rank", "vocab", "steps")} == \
         {k: ran[k] for k in ("drafter", "target", "rank", "vocab", "steps")}
+    # --recipe brief says the same in two words; an option given beside it overrides the recipe's
+    for extra in ([], ["--target", EMBEDDED_TARGET]):
+        seen.clear()
+        result = CliRunner().invoke(main, ["convert", EMBEDDED_DRAFTER, "--recipe", "brief", *extra])
+        assert result.exit_code != 2 and len(seen) == 1, result.output
+        recipe = seen[0]
+        assert recipe["options"].teacher_settings([1, 2, 3]) == ran["options"].teacher_settings([1, 2, 3])
+        assert recipe["options"].num_prompts == ran["options"].num_prompts and recipe["config"] == ran["config"]
+        assert (recipe["vocab"], recipe["steps"]) == (ran["vocab"], ran["steps"])
+    seen.clear()
+    CliRunner().invoke(main, ["convert", EMBEDDED_DRAFTER, "--recipe", "brief", "--distill-steps", "7", "--lr",
+                              "1e-3", "--vocab", "full", "--teacher", "target"])
+    assert (seen[0]["steps"], seen[0]["config"].lr, seen[0]["vocab"], seen[0]["config"].teacher) == (
+        7, 1e-3, "full", "target")
+    assert seen[0]["options"].max_new_tokens == 64 and seen[0]["config"].warmup_steps == 5
+    result = CliRunner().invoke(main, ["convert", EMBEDDED_DRAFTER, "--recipe", "brief", "--rank", "auto"])
+    assert result.exit_code == 2 and "takes no --recipe" in result.stderr
 
 
 @pytest.mark.parametrize("args", [

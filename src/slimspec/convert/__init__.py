@@ -4,9 +4,7 @@
 so ``slimspec.convert(drafter, target, rank="d/8")`` runs :func:`slimspec.convert.pipeline.convert`.
 """
 
-import sys
-import types
-
+from slimspec.callable_module import become_callable
 from slimspec.convert.factorize import factorize, gram_matrix, relative_error, squared_singular_values
 from slimspec.convert.pipeline import ConvertResult, convert
 from slimspec.convert.rank import energy_curve, parse_rank
@@ -14,12 +12,4 @@ from slimspec.convert.rank import energy_curve, parse_rank
 __all__ = ["ConvertResult", "convert", "energy_curve", "factorize", "gram_matrix", "parse_rank",
            "relative_error", "squared_singular_values"]
 
-
-class _CallableModule(types.ModuleType):
-    def __call__(self, *args, **kwargs) -> ConvertResult:
-        return convert(*args, **kwargs)
-
-    __call__.__doc__ = convert.__doc__
-
-
-sys.modules[__name__].__class__ = _CallableModule
+become_callable(__name__, "slimspec.convert.pipeline", "convert")

@@ -74,6 +74,9 @@ BRIEF_RECIPES = {"drafter": (None, 200, 5e-3), "target": (64, 40, 2e-3)}
 """Calibration prompts (None: all 300 shipped), steps and peak lr of the brief distillation per teacher, measured
 on the reference drafter at d/8, draft vocab (BENCHMARKS.md "Distillation data and steps at d/8"): rho_proxy
 0.926 with the drafter teacher on the 300 prompts; the target teacher reaches 0.835 on 64 and 0.866 on 300."""
+UNDISTILLED_EXAMPLE = ("the embedded drafter at d/8 keeps rho_tau 0.61 from the SVD start, 0.75 from the whitened "
+                       "one, 0.90 after the demo's 200 steps")
+"""Measured (BENCHMARKS.md "Without distillation"): why `convert` and `batch` warn when they do not distil."""
 BRIEF_TEACHER = "drafter"
 BRIEF_VOCAB = "draft"
 BRIEF_DISTILL_STEPS = BRIEF_RECIPES[BRIEF_TEACHER][1]
@@ -91,18 +94,30 @@ def brief_distillation(steps: int | None = None, teacher: str = BRIEF_TEACHER) -
     return options, DistillConfig(steps=steps, lr=lr, batch_tokens=2048, warmup_steps=5, teacher=teacher)
 
 
-def brief_command(drafter: str, rank: str = "d/8", steps: int | None = None, teacher: str = BRIEF_TEACHER) -> str:
-    """The ``slimspec convert`` command line that runs :func:`convert_briefly` (same options, same teacher data)."""
-    from slimspec.embedded import EMBEDDED_DRAFTER
+def brief_keys(drafter: str, target: str | None = None, steps: int | None = None,
+               teacher: str = BRIEF_TEACHER) -> dict[str, Any]:
+    """The ``slimspec convert`` options (parameter names) that run :func:`convert_briefly`'s recipe: what
+    ``--recipe brief`` and a manifest's ``recipe: brief`` set where nothing else is given."""
+    from slimspec.embedded import EMBEDDED_DRAFTER, EMBEDDED_TARGET
 
     options, config = brief_distillation(steps, teacher)
-    args = [f"slimspec convert {drafter} --rank {rank} --vocab {BRIEF_VOCAB}", f"--distill-steps {config.steps}",
-            f"--teacher {config.teacher}", f"--lr {config.lr:g}", f"--warmup-steps {config.warmup_steps}",
-            f"--max-new-tokens {options.max_new_tokens}", f"--generation-engine {options.engine}"]
+    keys: dict[str, Any] = {"vocab": BRIEF_VOCAB, "distill_steps": config.steps, "teacher": config.teacher,
+                            "lr": config.lr, "warmup_steps": config.warmup_steps, "batch_tokens": config.batch_tokens,
+                            "max_new_tokens": options.max_new_tokens, "generation_engine": options.engine}
     if options.num_prompts is not None:
-        args.append(f"--num-prompts {options.num_prompts}")
-    if drafter == EMBEDDED_DRAFTER:
-        args.append("--generation-dtype float32")
+        keys["num_prompts"] = options.num_prompts
+    if str(target) == EMBEDDED_TARGET or target is None and str(drafter) == EMBEDDED_DRAFTER:
+        keys["generation_dtype"] = "float32"  # the key of the answers shipped for this recipe, as convert_briefly
+    return keys
+
+
+def brief_command(drafter: str, rank: str = "d/8", steps: int | None = None, teacher: str = BRIEF_TEACHER) -> str:
+    """The ``slimspec convert`` command line, every option spelled out, that runs :func:`convert_briefly` (same
+    options, same teacher data; ``--recipe brief`` says the same in two words)."""
+    args = [f"slimspec convert {drafter} --rank {rank}"]
+    for key, value in brief_keys(drafter, None, steps, teacher).items():
+        args.append(f"--{key.replace('_', '-')} {value:g}" if isinstance(value, float) else
+                    f"--{key.replace('_', '-')} {value}")
     return " ".join(args)
 
 
