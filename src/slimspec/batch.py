@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -32,6 +34,15 @@ CHOICES = {"vocab": choices.VOCABS, "stitch": choices.STITCHES, "init": choices.
 DISTILL_CONFIG_KEYS = ("teacher", "lr", "warmup_steps", "batch_tokens", "ttt_steps", "seed", "bf16",
                        "teacher_temperature")
 """The job keys that become ``DistillConfig`` fields (the other distillation keys shape the teacher data)."""
+NULLABLE_KEYS = {"target", "dtype", "data", "num_prompts", "revision", "target_revision", "out", "push_to", "device",
+                 "aux_layers", "aux_convention", "eval_prompts", "recipe"}
+"""Keys whose null means "not given"; any other null fails the manifest (a blank YAML value is null)."""
+DATA_KEYS = {"data", "num_prompts", "responses", "max_new_tokens", "generation_engine", "generation_dtype",
+             *DISTILL_DEFAULTS}
+"""Job keys only a conversion that reads teacher data (a whitened start or distill_steps) reads."""
+SETTING_DEFAULTS = {"rank": "d/8", "vocab": "full", "stitch": "target", "init": "auto", "distill_steps": 0,
+                    "responses": "regenerate", "max_new_tokens": 128}
+"""Values of SETTINGS a job may write out or leave out, alike."""
 SETTINGS = ("drafter", "target", "rank", "vocab", "dtype", "stitch", "init", "distill_steps", "data", "num_prompts",
             "responses", "max_new_tokens", "revision")
 
@@ -89,16 +100,18 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
     for i, job in enumerate(data["jobs"]):
         if not isinstance(job, dict):
             raise SlimSpecError(f"{path}: job {i + 1} is not a mapping")
-        merged = {**defaults, **job}
+        where = f"{path}: job {i + 1}"
+        merged = {key: _expand_home(key, value) for key, value in {**defaults, **job}.items()}
         if merged.get("recipe") is not None:
-            _check_values({"recipe": merged["recipe"]}, f"{path}: job {i + 1}")
+            _check_values({"recipe": merged["recipe"]}, where)
             merged = {**recipe_keys(merged), **merged}  # what the job or the defaults give overrides the recipe
         unknown = set(merged) - JOB_KEYS - {"name"}
         if unknown:
-            raise SlimSpecError(f"{path}: job {i + 1} has unknown option(s) {', '.join(sorted(unknown))}")
+            raise SlimSpecError(f"{where} has unknown option(s) {', '.join(sorted(unknown))}")
         if "drafter" not in merged:
-            raise SlimSpecError(f"{path}: job {i + 1} has no drafter")
-        _check_values(merged, f"{path}: job {i + 1}")
+            raise SlimSpecError(f"{where} has no drafter")
+        _check_values(merged, where)
+        _check_job_reads(merged, set(job), where)
         merged.setdefault("name", merged.get("out") or f"job{i + 1}")
         jobs.append(merged)
     outs = [Path(str(job["out"])).resolve() for job in jobs if job.get("out")]
@@ -108,8 +121,23 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
     return jobs
 
 
+def _expand_home(key: str, value: Any) -> Any:
+    """``~`` in a path a job names (drafter, target, out, data) is the home folder, as in a shell."""
+    if key in ("drafter", "target", "out") and isinstance(value, str):
+        return os.path.expanduser(value)
+    if key == "data":
+        return [os.path.expanduser(v) if isinstance(v, str) else v for v in value] if isinstance(value, list) \
+            else os.path.expanduser(value) if isinstance(value, str) else value
+    return value
+
+
 def _check_values(job: dict[str, Any], where: str) -> None:
     """Option values of the wrong type or out of range fail the whole manifest before any job runs."""
+    for key, value in job.items():
+        if value is None and key not in NULLABLE_KEYS:
+            raise SlimSpecError(f"{where}: {key} is null; leave it out for its default")
+    if "drafter" in job and (not isinstance(job["drafter"], str) or not job["drafter"].strip()):
+        raise SlimSpecError(f"{where}: drafter must be a Hub id or a folder, got {job['drafter']!r}")
     for key, least in INT_KEYS.items():
         value = job.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
@@ -137,6 +165,48 @@ def _check_values(job: dict[str, Any], where: str) -> None:
         raise SlimSpecError(f"{where}: rank must be d/N, an integer or energy:F, got {job['rank']!r}")
 
 
+def _check_job_reads(job: dict[str, Any], own: set[str], where: str) -> None:
+    """What ``slimspec convert`` refuses, a job refuses before any job runs: options its conversion would not read
+    (``own``: the keys the job itself gives; a default may serve only the jobs that read it), a rank batch cannot
+    resolve, a revision pinning a local folder, a bad ``push_to`` or ``device``."""
+    from slimspec import embedded
+    from slimspec.convert.rank import parse_rank
+    from slimspec.errors import RankError
+    from slimspec.hub import HUB_ID
+
+    steps, init = job.get("distill_steps", 0), job.get("init", "auto")
+    if steps == 0:
+        unread = sorted(own & DATA_KEYS) if init != "whitened" else sorted(own & set(choices.DISTILL_ONLY_OPTIONS))
+        if unread:
+            raise SlimSpecError(f"{where}: {', '.join(unread)} would be ignored: the job has no distill_steps"
+                                f"{'' if init == 'whitened' else ' and an SVD start'} (set distill_steps, or "
+                                "recipe: brief; or drop them)")
+    if "stitch" in own and job.get("vocab", "full") != "full":
+        raise SlimSpecError(f"{where}: stitch fills the rows vocab full adds; vocab draft adds none")
+    rank = str(job.get("rank", "d/8"))
+    if rank.strip() == "auto":
+        raise SlimSpecError(f"{where}: rank auto is `slimspec convert --rank auto` only; give a batch job d/N, an "
+                            "integer or energy:F")
+    try:
+        parse_rank(rank, 1 << 30)  # the syntax; the drafter's d decides the range when the job runs
+    except RankError as exc:
+        if "singular values" not in str(exc):
+            raise SlimSpecError(f"{where}: {str(exc).removesuffix('; convert also takes auto')}") from None
+    for key, name in (("revision", "drafter"), ("target_revision", "target")):
+        source = job.get(name)
+        if job.get(key) and source and (embedded.is_embedded(str(source)) or Path(str(source)).exists()):
+            raise SlimSpecError(f"{where}: {key} pins a Hub {name}; {source} is local")
+    if job.get("push_to") and not HUB_ID.match(str(job["push_to"])):
+        raise SlimSpecError(f"{where}: push_to {job['push_to']!r} is not a Hub repo id (owner/name)")
+    if job.get("device") is not None:
+        from slimspec.hardware import resolve_device
+
+        try:
+            resolve_device(str(job["device"]))
+        except SlimSpecError as exc:
+            raise SlimSpecError(f"{where}: {exc}") from None
+
+
 def recipe_keys(job: dict[str, Any]) -> dict[str, Any]:
     """The job keys of ``recipe: brief``: the demo's brief distillation (``convert --recipe brief``)."""
     from slimspec.distill.pipeline import brief_keys
@@ -145,8 +215,9 @@ def recipe_keys(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def job_fingerprint(job: dict[str, Any]) -> str:
-    """Hash of the settings that decide a job's output (not its name, out, overwrite or push)."""
-    payload = {k: job.get(k) for k in SETTINGS}
+    """Hash of the settings that decide a job's output (not its name, out, overwrite or push). A key at its default
+    counts as absent: writing ``rank: d/8`` out does not make a finished job run again."""
+    payload = {k: None if job.get(k) == SETTING_DEFAULTS.get(k) else job.get(k) for k in SETTINGS}
     for key, default in DISTILL_DEFAULTS.items():  # absent or at their default: the fingerprints jobs always had
         if job.get(key, default) != default:
             payload[key] = job[key]
@@ -166,11 +237,11 @@ def inputs_identity(job: dict[str, Any]) -> str | None:
     stamps = []
     for key in ("drafter", "target", "data"):
         for value in job.get(key) if isinstance(job.get(key), list) else [job.get(key)]:
-            path = Path(str(value)) if value else None
-            if path is None or not path.exists():
-                continue
-            files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
-            stamps += [(key, str(p), st.st_size, st.st_mtime_ns) for p in files if (st := p.stat())]
+            text = str(value) if value else ""
+            matches = sorted(glob.glob(text)) if key == "data" and any(c in text for c in "*?[") else [text]
+            for path in (Path(m) for m in matches if m and Path(m).exists()):
+                files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
+                stamps += [(key, str(p), st.st_size, st.st_mtime_ns) for p in files if (st := p.stat())]
     return hashlib.sha256(json.dumps(stamps).encode()).hexdigest()[:16] if stamps else None
 
 
@@ -201,7 +272,7 @@ def run_job(job: dict[str, Any]) -> JobResult:
 
     start = time.perf_counter()
     fingerprint = job_fingerprint(job)
-    out = Path(job.get("out") or f"{model_name(str(job['drafter']))}-slimspec-{fingerprint[:8]}")
+    out = Path(job.get("out") or f"{model_name(str(job['drafter']))}-slimspec-{fingerprint[:8]}")  # ~ expanded
     inputs = inputs_identity(job)
     if finished(out, fingerprint, inputs) and not job.get("push_to") and not job.get("eval_prompts"):
         report = json.loads((out / "slimspec.json").read_text())

@@ -9,3 +9,5 @@ GENERATION_ENGINES = ("transformers", "static")
 GENERATION_DTYPES = ("auto", "bfloat16", "float32", "float16")
 TEACHERS = ("target", "drafter")
 RECIPES = ("brief",)
+DISTILL_ONLY_OPTIONS = ("lr", "warmup_steps", "batch_tokens", "bf16", "teacher_temperature")
+"""Data options that only distillation steps read (a whitened start without steps reads the others)."""

@@ -53,8 +53,9 @@ class SlimSpecGroup(click.Group):
         except click.UsageError as exc:
             where = exc.ctx.command_path if exc.ctx is not None else "slimspec"
             _fail(f"{exc.format_message()} (see {where} --help)")
-        except KeyboardInterrupt:
-            _fail("interrupted (nothing was written)")
+        except KeyboardInterrupt:  # outputs are written atomically: a finished one is whole, a cut one is gone
+            _fail("interrupted: finished jobs are kept, the one running left nothing; run the batch again to go on"
+                  if ctx.invoked_subcommand == "batch" else "interrupted (no half-written output is left)")
         except OSError as exc:  # an output that cannot be made, a file that cannot be read: one line, not a trace
             if os.environ.get("SLIMSPEC_DEBUG"):
                 raise
@@ -186,10 +187,6 @@ def _is_local(name: str) -> bool:
     return embedded.is_embedded(name) or Path(name).expanduser().exists()
 
 
-DISTILL_ONLY_OPTIONS = {"lr", "warmup_steps", "batch_tokens", "bf16", "teacher_temperature"}
-"""Data options that only the distillation steps read (a whitened start without steps reads the others)."""
-
-
 def _data_option_names() -> set[str]:
     return {p.name for p in data_options(lambda: None).__click_params__}
 
@@ -204,7 +201,7 @@ def _refuse_unread_data_options(ctx: click.Context, rank: str, init: str, distil
         raise click.UsageError(f"this conversion reads no data (SVD start, no --distill-steps), so "
                                f"{', '.join(p.opts[0] for p in given)} would be ignored: add --distill-steps N "
                                "(or --init whitened), or drop them")
-    unread = [p.opts[0] for p in given if p.name in DISTILL_ONLY_OPTIONS]
+    unread = [p.opts[0] for p in given if p.name in choices.DISTILL_ONLY_OPTIONS]
     if unread:
         raise click.UsageError(f"{', '.join(unread)} only shape distillation steps: add --distill-steps N or drop "
                                "them")
@@ -331,7 +328,11 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
     if push_to:
         from slimspec.publish import push as run_push
 
-        plan = run_push(result.out, push_to)
+        try:
+            plan = run_push(result.out, push_to)
+        except SlimSpecError as exc:  # the conversion is done: say where it is and how to push it alone
+            raise SlimSpecError(f"{exc} (the conversion is kept in {result.out}: `slimspec push {result.out} "
+                                f"{push_to}` pushes it)") from None
         report["pushed_to"] = plan.url or push_to
     if as_json:
         click.echo(json.dumps(report))
@@ -691,6 +692,7 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
         raise click.BadParameter(f"{rank} is not below --hidden {hidden} (0 < r < d)", param_hint="--rank")
     if checkpoint:
         from slimspec.checkpoint import load_drafter
+        from slimspec.checkpoint.files import read_json
         from slimspec.hub import resolve_model
 
         folder = resolve_model(checkpoint, "drafter")
@@ -700,7 +702,7 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
         up, down = ckpt.tensors["lm_head.weight"], ckpt.tensors["lm_head_down.weight"]
         vocab, rank, hidden = up.shape[0], down.shape[0], down.shape[1]
         report_path = folder / "slimspec.json"
-        saved = json.loads(report_path.read_text()) if report_path.exists() else {}
+        saved = read_json(report_path) if report_path.exists() else {}
         source_vocab = source_vocab or saved.get("head_rows_source") or (saved.get("head_params_source", 0) // hidden
                                                                         or None)
         rho_tau = rho_tau or saved.get("rho_tau")

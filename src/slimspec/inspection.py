@@ -12,6 +12,7 @@ from slimspec.checkpoint.target import load_target_head
 from slimspec.convert.factorize import centered_gram, gram_matrix, squared_singular_values
 from slimspec.convert.pipeline import stitched_head, validate_against_target
 from slimspec.convert.rank import energy_curve
+from slimspec.errors import SlimSpecError
 
 MARKED_DIVISORS = (4, 8, 16)
 
@@ -22,6 +23,8 @@ def inspect_drafter(drafter: str, target: str | None = None, plot: str | Path | 
 
     ckpt = load_drafter(resolve_model(drafter, "drafter"))
     cfg = ckpt.config
+    if plot is not None and target is None and not ckpt.has_head:
+        raise SlimSpecError(f"{drafter} has no head of its own (it shares the target's): --plot needs --target")
     info: dict[str, Any] = {
         "drafter": drafter,
         "layout": ckpt.layout,

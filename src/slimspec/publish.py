@@ -37,6 +37,7 @@ class PushPlan:
 def validate_folder(folder: Path) -> dict[str, Any]:
     """Reload a SlimSpec folder and check its factors and config; returns its slimspec.json (or {})."""
     from slimspec.checkpoint import load_drafter
+    from slimspec.checkpoint.files import read_json
 
     if not folder.is_dir():
         raise SlimSpecError(f"{folder}: not a folder")
@@ -51,7 +52,7 @@ def validate_folder(folder: Path) -> dict[str, Any]:
     if not str((ckpt.raw_config.get("architectures") or [""])[0]).startswith("Eagle3SlimSpec"):
         raise SlimSpecError(f"{folder}: config.json does not name a SlimSpec architecture")
     report = folder / "slimspec.json"
-    return json.loads(report.read_text()) if report.exists() else {}
+    return read_json(report) if report.exists() else {}
 
 
 def card_with_metadata(folder: Path, report: dict[str, Any]) -> tuple[str, dict[str, Any]]:

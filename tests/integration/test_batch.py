@@ -276,11 +276,73 @@ def test_distillation_keys_reach_the_loop_and_the_fingerprint(tmp_path, monkeypa
     ({"seed": 1.5}, "seed must be an integer"),
     ({"ttt_steps": 0}, "ttt_steps must be an integer >= 1"),
     ({"recipe": "fast"}, "recipe must be one of brief"),
+    # a blank YAML value is null: it used to pass the check and crash its job with int(None)
+    ({"max_new_tokens": None}, "max_new_tokens is null; leave it out"),
+    ({"lr": None, "distill_steps": 2}, "lr is null"),
+    # what convert refuses, a job refuses before any job runs (an SVD start without steps reads no data)
+    ({"lr": 0.5, "teacher": "drafter"}, "lr, teacher would be ignored: the job has no distill_steps and an SVD"),
+    ({"init": "whitened", "lr": 0.5, "num_prompts": 3}, "lr would be ignored: the job has no distill_steps ("),
+    ({"vocab": "draft", "stitch": "zero"}, "stitch fills the rows vocab full adds"),
+    ({"drafter": "embedded:smollm2-135m-eagle3", "revision": "v9"}, "revision pins a Hub drafter"),
+    ({"rank": "auto"}, "rank auto is `slimspec convert --rank auto` only"),
+    ({"rank": "d/0"}, "rank 'd/0': divisor must be positive"),
+    ({"rank": "foo"}, "cannot parse rank 'foo'"),
+    ({"push_to": "not a repo"}, "push_to 'not a repo' is not a Hub repo id"),
+    ({"device": "tpu"}, "unknown device 'tpu'"),
 ])
-def test_bad_distillation_keys_fail_before_any_job(job, needle, tmp_path):
+def test_bad_job_keys_fail_before_any_job(job, needle, tmp_path):
+    """Catches values (and combinations convert refuses) that passed the manifest check and then failed, or were
+    silently ignored, only when their job came: hours into a batch, after the jobs before it."""
     (tmp_path / "m.json").write_text(json.dumps([{"drafter": "x"}, {"drafter": "y", **job}]))
     result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.json")])
     assert result.exit_code == 2 and f"job 2: {needle}" in result.stderr, result.output
+    assert result.stderr.count("\n") == 1
+
+
+def test_defaults_serve_only_the_jobs_that_read_them(tmp_path):
+    """Catches the unread-key refusal firing on a default: defaults are shared by jobs with and without steps."""
+    from slimspec.batch import read_manifest
+
+    (tmp_path / "m.json").write_text(json.dumps({"defaults": {"teacher": "drafter", "lr": 1e-3}, "jobs": [
+        {"drafter": "x", "distill_steps": 3}, {"drafter": "y"}, {"drafter": "z", "init": "whitened", "ttt_steps": 2}]}))
+    assert [job["drafter"] for job in read_manifest(tmp_path / "m.json")] == ["x", "y", "z"]
+
+
+def test_written_out_defaults_and_home_paths(tmp_path, monkeypatch):
+    """Catches a finished job redone because the manifest now writes a default out (`rank: d/8`: hours for a
+    distilled job), `~` taken as a folder named "~", and a glob of prompt files never checked for changes (a
+    job over `data: dir/*.jsonl` was skipped after the prompts were replaced)."""
+    from slimspec.batch import inputs_identity, job_fingerprint, read_manifest
+
+    plain = {"drafter": "x"}
+    written = {"drafter": "x", "rank": "d/8", "vocab": "full", "stitch": "target", "init": "auto",
+               "distill_steps": 0, "responses": "regenerate", "max_new_tokens": 128}
+    assert job_fingerprint(written) == job_fingerprint(plain) == "1ad7821f823ddf22"  # as before this change
+    assert job_fingerprint({**plain, "rank": "d/16"}) != job_fingerprint(plain)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text('{"turns": ["hi"]}\n')
+    (tmp_path / "m.json").write_text(json.dumps([{"drafter": "~/d", "out": "~/o", "data": "~/data/*.jsonl",
+                                                  "distill_steps": 1}]))
+    job = read_manifest(tmp_path / "m.json")[0]
+    assert (job["drafter"], job["out"], job["data"]) == (
+        str(tmp_path / "d"), str(tmp_path / "o"), str(tmp_path / "data" / "*.jsonl"))
+    before = inputs_identity(job)
+    assert before is not None
+    (tmp_path / "data" / "a.jsonl").write_text('{"turns": ["hello, a longer prompt"]}\n')
+    assert inputs_identity(job) != before
+
+
+def test_interrupted_batch_says_what_is_kept(tmp_path, monkeypatch):
+    """Catches Ctrl-C in a batch saying "nothing was written" while the finished jobs' folders stay."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("slimspec.batch.run_batch", interrupted)
+    (tmp_path / "m.json").write_text("[]")
+    result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.json")])
+    assert result.exit_code == 2 and "finished jobs are kept" in result.stderr
+    assert "nothing was written" not in result.stderr
 
 
 def test_undistilled_jobs_are_named(tmp_path):

@@ -272,3 +272,44 @@ def test_cli_refuses_a_cuda_device_without_a_gpu(tmp_path):
         assert result.exit_code == 2, (command, result.output)
         assert "no CUDA GPU" in result.output
         assert not any((tmp_path / name).exists() for name in ("o", "d", "p"))
+
+
+def test_a_broken_report_is_one_line(tmp_path):
+    """Catches a malformed slimspec.json (a disk filled mid-write by hand edits, a merge marker) crashing `push`
+    and `bench` with a JSONDecodeError traceback."""
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--rank", "8", "--vocab", "draft", "-o",
+                                       str(tmp_path / "o"), "-q"])
+    assert result.exit_code == 0, result.output
+    (tmp_path / "o" / "slimspec.json").write_text("garbage{")
+    for args in (["push", str(tmp_path / "o"), "someone/x", "--dry-run"], ["bench", str(tmp_path / "o")]):
+        result = CliRunner().invoke(main, args)
+        _one_line_failure(result, "slimspec.json: not valid JSON")
+
+
+def test_plot_without_a_head_to_plot_is_refused(tmp_path):
+    """Catches `inspect --plot` on a drafter that shares the target's head, without --target, exiting 0 with no
+    plot and no energy lines."""
+    write_drafter(tmp_path / "d", "eagle", Spec(no_head=True))
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "d"), "--plot", str(tmp_path / "e.png")])
+    _one_line_failure(result, "--plot needs --target")
+    assert not (tmp_path / "e.png").exists()
+
+
+def test_a_failed_push_after_convert_says_where_the_conversion_is(tmp_path, monkeypatch):
+    """Catches `convert --push-to` failing at the push (offline, no token) without saying the conversion was kept:
+    the same command then refuses the existing folder, and nothing says `slimspec push` finishes the job."""
+    import slimspec.publish
+
+    def offline(folder, repo_id, **kwargs):
+        raise slimspec.publish.SlimSpecError(f"push to {repo_id} failed: no network")
+
+    monkeypatch.setattr(slimspec.publish, "push", offline)
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    out = tmp_path / "o"
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--rank", "8", "--vocab", "draft", "-o",
+                                       str(out), "-q", "--push-to", "me/x"])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 2 and errors == [f"error: push to me/x failed: no network (the conversion is kept in "
+                                                f"{out}: `slimspec push {out} me/x` pushes it)"], result.stderr
+    assert (out / "slimspec.json").exists()

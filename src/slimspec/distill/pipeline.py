@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from dataclasses import asdict, dataclass, field, replace
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from slimspec.checkpoint.drafter import DrafterCheckpoint, load_drafter
+from slimspec.checkpoint.files import read_json
 from slimspec.checkpoint.writer import NOT_DISTILLED_NOTE, atomic_folder, check_output_free, save_tensors, write_json
 from slimspec.distill.prompts import load_prompts
 from slimspec.distill.teacher import TeacherData, TeacherSettings, aux_layers_for, build_teacher_data
@@ -139,7 +139,7 @@ def convert_briefly(drafter: str | Path, target: str | Path | None, rank: str | 
 
 def load_target_parts(target: str, revision: str | None = None) -> TargetParts:
     """Resolve the target (whole model: it runs) and read its head and embedding."""
-    from slimspec.checkpoint.files import read_json, read_tensors, weight_map
+    from slimspec.checkpoint.files import read_tensors, weight_map
     from slimspec.checkpoint.target import EMBED_NAMES, load_target_head, text_config
     from slimspec.hub import resolve_model
 
@@ -301,7 +301,7 @@ def write_distilled(source: Path, ckpt: DrafterCheckpoint, drafter: Eagle3Drafte
         if name in ckpt.tensors:
             tensors[name] = ckpt.tensors[name]
     report_path = source / "slimspec.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    report = read_json(report_path) if report_path.exists() else {}
     report["distill"] = {**result.summary(), "target": target, "data": asdict(options)}
     config = dict(ckpt.raw_config)
     if isinstance(config.get("slimspec"), dict):
