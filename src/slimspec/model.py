@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slimspec.checkpoint.drafter import LOWRANK_DOWN, DrafterCheckpoint, DrafterConfig
+from slimspec.errors import CheckpointError
 
 # (keys, values), each [B, kv_heads, S, head_dim], RoPE already applied; a multi-layer drafter's cache stacks its
 # layers' kv heads on dim 1, [B, layers * kv_heads, S, head_dim], so cropping and lengths read dim 2 alike
@@ -164,7 +165,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
         # long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between blended
         smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
         return (1 - smooth) * inv / factor + smooth * inv
-    raise NotImplementedError(f"RoPE scaling type {kind!r} is not supported (only default, linear, llama3)")
+    raise CheckpointError(f"the drafter's RoPE scaling type {kind!r} is not supported for distillation or evaluation "
+                          "(only default, linear, llama3)")
+
+
+def check_buildable(cfg: DrafterConfig) -> None:
+    """Raise the one-line ``CheckpointError`` that building an :class:`Eagle3Drafter` for ``cfg`` would (RoPE
+    scaling, activation), before any costly work (a target's download) is done for it."""
+    rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.hidden_act not in ACTIVATIONS:
+        raise CheckpointError(f"the drafter's activation {cfg.hidden_act!r} is not supported "
+                              f"(only {', '.join(ACTIVATIONS)})")
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -224,8 +235,7 @@ class Eagle3Attention(nn.Module):
 class Eagle3MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
-        if cfg.hidden_act not in ACTIVATIONS:
-            raise NotImplementedError(f"activation {cfg.hidden_act!r} is not supported")
+        check_buildable(cfg)
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)

@@ -307,3 +307,33 @@ def test_output_files_are_readable_as_the_umask_allows(tmp_path):
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "c").iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+
+
+def test_trimmed_qwen3_drafter_is_labelled_qwen3(tmp_path):
+    """Catches a trimmed Qwen3 drafter written as LlamaForCausalLM (vLLM would build Llama layers, no q/k norms)."""
+    from slimspec.evaluate.trim import write_trimmed
+
+    for qwen3, arch in ((True, "Qwen3ForCausalLM"), (False, "LlamaForCausalLM")):
+        write_drafter(tmp_path / f"d{qwen3}", "eagle", Spec(qwen3=qwen3))
+        trimmed = write_trimmed(load_drafter(tmp_path / f"d{qwen3}"), torch.arange(40), tmp_path / f"trim{qwen3}")
+        assert json.loads((trimmed / "config.json").read_text())["architectures"] == [arch]
+        assert load_drafter(trimmed).config.model_type == ("qwen3" if qwen3 else "llama")
+
+
+def test_conversion_records_the_target_its_source_names(tmp_path, monkeypatch):
+    """Catches `convert --vocab draft` without --target recording target null though the source names its verifier
+    (a later eval or distill of the output then fails with "--target is needed")."""
+    write_drafter(tmp_path / "d", "speculators", Spec())
+    write_target(tmp_path / "t")
+    monkeypatch.chdir(tmp_path)
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config["speculators_config"]["verifier"]["name_or_path"] = "t"  # a relative folder: recorded absolute
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    res = slimspec.convert("d", None, 8, vocab="draft", out="o", progress=False)
+    assert res.report["source"]["target"] is None  # none was read
+    assert load_drafter(res.out).named_target == str(tmp_path / "t")
+    out2 = slimspec.convert(str(res.out), None, 4, vocab="draft", out="o2", progress=False).out  # and again
+    assert load_drafter(out2).named_target == str(tmp_path / "t")
+    write_drafter(tmp_path / "h", "speculators", Spec())  # a Hub id stays as named
+    assert load_drafter(slimspec.convert("h", None, 8, vocab="draft", out="o3", progress=False).out
+                        ).named_target == "some-org/target-model"

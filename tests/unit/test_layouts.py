@@ -295,3 +295,39 @@ def test_bin_never_runs_pickle_code(tmp_path):
     with pytest.raises(CheckpointError):
         load_drafter(folder)
     assert not os.path.exists("/tmp/slimspec_pwned")
+
+
+@pytest.mark.parametrize("layout", ["eagle", "speculators"])
+def test_sliding_window_drafter_is_refused(tmp_path, layout):
+    """Catches a sliding-window drafter (layer_types + sliding_window) converted and served as full attention."""
+    write_drafter(tmp_path / "d", layout, Spec())
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    layer = config["transformer_layer_config"] if layout == "speculators" else config
+    layer.update(layer_types=["sliding_attention"], sliding_window=2048)
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="sliding-window attention") as caught:
+        load_drafter(tmp_path / "d")
+    assert "\n" not in str(caught.value)
+    layer.update(layer_types=["full_attention", "sliding_attention"])  # a layer this drafter does not have
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    assert load_drafter(tmp_path / "d").config.num_layers == 1
+
+
+def test_quantised_drafter_is_refused(tmp_path):
+    """Catches an FP8/quantised drafter converted from its raw stored values with the scales dropped."""
+    written = write_drafter(tmp_path / "d", "specforge", Spec())
+    _edit_config(tmp_path / "d", quantization_config={"quant_method": "modelopt", "quant_algo": "FP8"})
+    with pytest.raises(CheckpointError, match="quantization_config.*quantised drafter|quantised drafter.*"
+                       "quantization_config"):
+        load_drafter(tmp_path / "d")
+    _edit_config(tmp_path / "d", quantization_config=None)
+    q = "midlayer.self_attn.q_proj.weight"
+    scale = written[q].abs().max() / 448
+    fp8 = {**written, q: (written[q] / scale).to(torch.float8_e4m3fn)}
+    save_file(fp8, str(tmp_path / "d" / "model.safetensors"))  # fp8 weights, no scale tensor, no config key
+    with pytest.raises(CheckpointError, match="float8_e4m3fn: quantised drafters are not supported"):
+        load_drafter(tmp_path / "d")
+    save_file({**fp8, q.replace(".weight", ".weight_scale"): scale.reshape(())}, str(tmp_path / "d" /
+                                                                                   "model.safetensors"))
+    with pytest.raises(CheckpointError, match="scale tensors .*weight_scale.*give the unquantised one"):
+        load_drafter(tmp_path / "d")

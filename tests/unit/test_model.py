@@ -12,6 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from slimspec.checkpoint import load_drafter
 from slimspec.checkpoint.drafter import DrafterCheckpoint, DrafterConfig
+from slimspec.errors import CheckpointError
 from slimspec.model import Eagle3Drafter, FullHead, LowRankHead, rope_inv_freq
 from tests.layouts import LAYOUTS, Spec, write_drafter
 
@@ -348,9 +349,12 @@ def test_rope_frequencies_match_transformers(scaling):
 
 
 def test_unsupported_rope_scaling_raises():
-    """Catches a yarn/dynamic drafter silently run with plain RoPE."""
-    with pytest.raises(NotImplementedError, match="yarn"):
+    """Catches a yarn/dynamic drafter silently run with plain RoPE, or refused with a traceback, not a one-line
+    CheckpointError."""
+    with pytest.raises(CheckpointError, match="RoPE scaling type 'yarn' is not supported"):
         Eagle3Drafter(_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(CheckpointError, match="activation 'tanh' is not supported"):
+        Eagle3Drafter(_config(hidden_act="tanh"))
 
 
 # ---------------------------------------------------------------------------------- cache and TTT

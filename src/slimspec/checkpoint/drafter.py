@@ -308,6 +308,7 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
     # of qwen3 without q_norm, or mistral/qwen2, describes the target rather than this layer
     model_type = "qwen3" if "midlayer.self_attn.q_norm.weight" in tensors else "llama"
     _refuse_unbuilt_biases(served, model_type)
+    _refuse_sliding_window(served, decoder_layer_count(tensors))
 
     def flag(key: str, default: bool) -> bool:
         # where vLLM reads each flag: norm_before_fc from eagle_config first, the others from the config alone
@@ -458,6 +459,43 @@ def _refuse_unbuilt_biases(served: dict[str, Any], model_type: str) -> None:
                               "convert")
 
 
+def _refuse_sliding_window(served: dict[str, Any], num_layers: int) -> None:
+    """A drafter layer vLLM builds with sliding-window attention (``layer_types[i]`` is ``sliding_attention`` and
+    ``sliding_window`` is set; vLLM's Llama and Qwen3 Eagle3 layers honour both): neither the written config nor the
+    PyTorch drafter carries the window, so it is refused rather than converted to full attention."""
+    layer_types = served.get("layer_types")
+    if not served.get("sliding_window") or not isinstance(layer_types, list):
+        return
+    sliding = [i for i, kind in enumerate(layer_types[:num_layers]) if kind == "sliding_attention"]
+    if sliding:
+        raise CheckpointError(f"decoder layer {sliding[0]} uses sliding-window attention (layer_types, "
+                              f"sliding_window={served['sliding_window']}): sliding-window drafters are not "
+                              "supported yet")
+
+
+QUANTISED_CONFIG_KEYS = ("quantization_config", "compression_config")
+QUANTISED_SCALES = re.compile(r"_scale(_inv)?$")  # FP8/INT8 checkpoints' weight_scale, input_scale, k_scale, ...
+
+
+def _refuse_quantised(raw: dict[str, Any], names: list[str], folder: Path) -> None:
+    """A quantised drafter (a quantization config, or scale tensors beside its weights): its stored values are not
+    the weights, and a conversion would read them as such and drop the scales."""
+    configs = (raw, raw.get("transformer_layer_config"))  # a speculators config's layer config too
+    key = next((k for c in configs if isinstance(c, dict) for k in QUANTISED_CONFIG_KEYS if c.get(k)), None)
+    scales = [n for n in names if QUANTISED_SCALES.search(n)]
+    if key or scales:
+        cause = f"config.json has {key}" if key else f"the weights hold scale tensors ({scales[0]}, ...)"
+        raise CheckpointError(f"{folder}: a quantised drafter ({cause}) is not supported: give the unquantised one")
+
+
+def _refuse_quantised_weights(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """Weights stored in a quantised dtype (float8, int8, ...) rather than a 16/32-bit float."""
+    for name, tensor in tensors.items():
+        if name not in ("d2t", "t2d") and (not tensor.is_floating_point() or tensor.element_size() < 2):
+            raise CheckpointError(f"{folder}: {name} is stored as {str(tensor.dtype).removeprefix('torch.')}: "
+                                  "quantised drafters are not supported: give the unquantised one")
+
+
 def attention_bias_names(cfg: DrafterConfig) -> list[str]:
     """The bias tensors vLLM builds for ``cfg`` (canonical names): none without attention_bias; else q/k/v of every
     layer, and o_proj's too in Llama-style layers (vLLM's Qwen3 attention has no o_proj bias)."""
@@ -487,6 +525,7 @@ def load_drafter(folder: str | Path) -> DrafterCheckpoint:
         raise CheckpointError(f"{folder}: not a folder")
     raw = read_json(folder / "config.json")
     files = weight_map(folder)
+    _refuse_quantised(raw, list(files), folder)
     mapping: dict[str, str] = {}
     dropped: list[str] = []
     for name in files:
@@ -524,6 +563,7 @@ def load_drafter(folder: str | Path) -> DrafterCheckpoint:
         )
     loaded = read_tensors(files, mapping.values())
     tensors = {canon: loaded[src] for canon, src in mapping.items()}
+    _refuse_quantised_weights(tensors, folder)
     if MASK_HIDDEN in tensors:  # written [n*Ht] or [1, n*Ht]; vLLM views it as one row
         tensors[MASK_HIDDEN] = tensors[MASK_HIDDEN].reshape(1, -1)
     layout = detect_layout(raw, set(mapping))

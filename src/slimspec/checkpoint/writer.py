@@ -17,6 +17,9 @@ from slimspec.checkpoint.drafter import DrafterConfig
 from slimspec.errors import SlimSpecError
 
 ARCHITECTURES = {"llama": "Eagle3SlimSpecLlamaForCausalLM", "qwen3": "Eagle3SlimSpecQwen3ForCausalLM"}
+# full-rank drafters in the EAGLE layout: vLLM serves architecture A as Eagle3A (Eagle3Qwen3ForCausalLM builds Qwen3
+# layers with q/k norms, Eagle3LlamaForCausalLM Llama ones)
+EAGLE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -60,10 +63,11 @@ def drafter_config_json(
 
 
 def eagle_config_json(cfg: DrafterConfig, draft_vocab: int, aux_convention: str = "input") -> dict[str, Any]:
-    """A flat Llama config in the EAGLE (yuhuili) layout, for drafters we write with full-rank heads
+    """A flat Llama/Qwen3 config in the EAGLE (yuhuili) layout, for drafters we write with full-rank heads
     (``aux_convention`` ``output``: the ids were a SpecForge/ModelOpt source's and keep its meaning)."""
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"], "model_type": cfg.model_type, "hidden_size": cfg.hidden_size,
+        "architectures": [EAGLE_ARCHITECTURES[cfg.model_type]], "model_type": cfg.model_type,
+        "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
         "num_hidden_layers": cfg.num_layers, "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps,

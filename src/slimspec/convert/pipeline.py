@@ -219,6 +219,10 @@ def convert(
     if out is not None:
         check_not_the_source(Path(out), drafter_path)
     ckpt.warn_unknown_dropped(drafter)
+    if init == "whitened" or distill_steps > 0:  # both build the PyTorch drafter: refuse one it cannot build now
+        from slimspec.model import check_buildable
+
+        check_buildable(ckpt.config)
     if target is None and embedded.is_embedded(drafter):
         target = embedded.EMBEDDED_TARGET
     if target is None and (vocab == "full" or init == "whitened" or distill_steps > 0 or not ckpt.has_head):
@@ -340,7 +344,7 @@ def convert(
     report.update(extra_report or {})
     meta = {"version": report["versions"]["slimspec"], "vocab_mode": vocab, "source_drafter": portable(drafter),
             "source_layout": ckpt.layout, "aux_convention": ckpt.aux_convention,
-            "target": portable(target) if target is not None else None}
+            "target": _recorded_target(target, ckpt)}
     if revision:
         meta["source_revision"] = revision
     if target_revision:
@@ -352,8 +356,8 @@ def convert(
             save_tensors(tmp / "model.safetensors", tensors)
             write_json(tmp / "config.json", config)
             (tmp / "README.md").write_text(model_card(
-                drafter_id=drafter, target_id=target or "TARGET", rank=r, hidden=hidden, report=report,
-                out_name=out.name, parallel=cfg.parallel_token_id is not None))
+                drafter_id=drafter, target_id=target or ckpt.named_target or "TARGET", rank=r, hidden=hidden,
+                report=report, out_name=out.name, parallel=cfg.parallel_token_id is not None))
         with stages.stage("verify", "reloading and checking logits"):
             report["verification"] = verify_folder(tmp, tensors, weight, samples=verify_samples)
         report["timings"] = {**{k: round(v, 3) for k, v in stages.timings.items()},
@@ -361,6 +365,13 @@ def convert(
         write_json(tmp / "slimspec.json", report)
     stages.say(f"wrote {out} (rank {r}, energy kept {energy:.4f}, head FLOP ratio {report['head_flop_ratio']:.3f})")
     return ConvertResult(out=out, rank=r, report=report)
+
+
+def _recorded_target(target: str | None, ckpt: DrafterCheckpoint) -> str | None:
+    """The target the output records for later commands (eval, distill): the one given, else the one the source
+    names (its verifier or base model, or what a SlimSpec source recorded), portable as :func:`portable` makes it."""
+    named = target if target is not None else ckpt.named_target
+    return portable(str(named)) if named is not None else None
 
 
 def _head_file_hash(target: TargetHead) -> dict[str, str] | None:
