@@ -72,8 +72,8 @@ def test_parallel_drafter_is_lossless_and_drafts_in_one_pass(tiny_target, tmp_pa
     k, prompt = 3, [1, 9690, 198, 2683]
     seen = []
     verify = SpeculativeDecoder._verify
-    monkeypatch.setattr(SpeculativeDecoder, "_verify", lambda self, d, q, logits: seen.append(d) or verify(
-        self, d, q, logits))
+    monkeypatch.setattr(SpeculativeDecoder, "_verify", lambda self, d, logits: seen.append(d) or verify(
+        self, d, logits))
     decoder = SpeculativeDecoder(target, drafter, (1, 2, 3), draft_tokens=k, eos_token_id=-1)
     out, stats = decoder.generate(prompt, 25)
     ref = target.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False, eos_token_id=None,
@@ -123,11 +123,11 @@ def _sampled_counts(decoder, prompt: list[int], vocab: int, n: int) -> torch.Ten
 
 
 def test_sampling_is_lossless_in_distribution(tmp_path, monkeypatch):
-    """Catches a wrong accept/resample rule (e.g. accepting drafts without min(1, p/q), sampling the residual
-    wrongly, the wrong p or q at draft position 2, or the bonus token from the wrong position): new tokens 2 and 3
-    (draft positions 1 and 2 of the first round, or a later round's) must follow the target's own marginals,
-    although the drafter's q (a trimmed 16-token vocabulary) is far from p. Token 1 comes from the prefill
-    alone and decides nothing here."""
+    """Catches a wrong accept/resample rule (e.g. accepting a draft with probability other than p(d), drawing the
+    rejected token without removing the draft, the wrong p at draft position 2, or the bonus token from the wrong
+    position): new tokens 2 and 3 (draft positions 1 and 2 of the first round, or a later round's) must follow the
+    target's own marginals, although the drafter's argmax proposals (a trimmed 16-token vocabulary) are far from
+    p. Token 1 comes from the prefill alone and decides nothing here."""
     vocab, n = 24, 3000
     target = _tiny_llama(vocab, scale=6.0, seed=1)
     drafter = _tiny_drafter(tmp_path, vocab, 16)
@@ -149,7 +149,7 @@ def test_sampling_is_lossless_in_distribution(tmp_path, monkeypatch):
     assert tv2 < 0.05 and tv3 < 0.05, (tv2, tv3)
     # the test can fail: a decoder that accepts every draft samples token 2 from the drafter, not the target
     monkeypatch.setattr(SpeculativeDecoder, "_verify",
-                        lambda self, drafts, qs, logits: (len(drafts), int(logits[len(drafts)].argmax())))
+                        lambda self, drafts, logits: (len(drafts), int(logits[len(drafts)].argmax())))
     wrong = _sampled_counts(decoder, prompt, vocab, 600)
     assert 0.5 * float((wrong[0].double() - p2).abs().sum()) > 0.15
 
@@ -248,3 +248,21 @@ def test_gpu_eval_frees_its_models_before_returning(monkeypatch):
     finally:
         gc.enable()
     assert freed == [True] and report["device"] == "cuda" and held["where"] == torch.device("cuda")
+
+
+def test_one_hot_rejection_sampling_gives_the_target_distribution():
+    """Catches a verify rule at temperature > 0 whose first new token does not follow p exactly: a rejected draft
+    drawn again (the residual keeping it), or acceptance with other than p(d). The rule is vLLM's with greedy
+    drafts, so a draft the target finds likely and one it finds unlikely both come out at p's rates."""
+    decoder = object.__new__(SpeculativeDecoder)
+    decoder.temperature, decoder.generator = 1.0, torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    logits = p.log().float().expand(3, 4).contiguous()
+    n = 20000
+    for draft in (0, 3):
+        counts = torch.zeros(4)
+        for _ in range(n):
+            accepted, token = decoder._verify([draft, 1], logits)
+            counts[draft if accepted else token] += 1
+        tv = 0.5 * float((counts.double() / n - p).abs().sum())
+        assert tv < 0.015, (draft, tv, counts / n)

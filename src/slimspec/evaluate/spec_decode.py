@@ -4,8 +4,10 @@ Bookkeeping per round: the committed tokens are x_0..x_m (x_m the target's last 
 features f_0..f_{m-1} are known. The drafter processes its missing positions t (features f_t, token
 x_{t+1}, RoPE position t); its output at m-1 proposes d_1 (for x_{m+1}); each further chain step feeds
 back its pre-norm output with the last drafted token at the next position. The target then runs
-[x_m, d_1..d_K] in one forward: greedy accepts the longest prefix of d that matches its argmax (at
-temperature > 0, speculative sampling: accept with min(1, p/q), resample from norm(max(0, p - q))).
+[x_m, d_1..d_K] in one forward: greedy accepts the longest prefix of d that matches its argmax. At
+temperature > 0 the rule is vLLM's default (``draft_sample_method="greedy"``): the drafts are still the drafter's
+argmax, a one-hot proposal, so d_j is accepted with probability p_j(d_j) and on rejection the token is drawn
+from p_j with d_j removed (lossless in distribution, and the tau vLLM serves at that temperature).
 Both KV caches are cropped back to committed positions; the drafter recomputes the accepted positions
 from the target's real features next round. A P-EAGLE drafter (``Eagle3Drafter.is_parallel``) drafts as
 vLLM's ``parallel_drafting`` does: its output at m-1 and K-1 masked slots at positions m..m+K-2, in one pass
@@ -62,13 +64,6 @@ class DecodeStats:
 
 def _crop(cache: KVCache | None, length: int) -> KVCache | None:
     return None if cache is None else (cache[0][:, :, :length], cache[1][:, :, :length])
-
-
-def _draft_distribution(logits: Tensor, drafter: Eagle3Drafter, vocab: int, temperature: float) -> Tensor:
-    """Drafter probabilities over the target vocabulary (draft tokens mapped through d2t)."""
-    full = torch.full((vocab,), float("-inf"), dtype=torch.float32, device=logits.device)  # any drafter dtype
-    full[drafter.draft_to_target(torch.arange(logits.shape[-1], device=logits.device))] = logits.float()
-    return torch.softmax(full / temperature, dim=-1)
 
 
 class SpeculativeDecoder:
@@ -132,16 +127,11 @@ class SpeculativeDecoder:
                 slots, _ = drafter(inputs_embeds=emb, hidden=hid, past_key_values=dcache,
                                    positions=torch.arange(m, m + self.k - 1, device=device)[None])
                 h = torch.cat([h, slots], dim=1)
-            drafts, qs = [], []
+            drafts = []
             chain_cache = dcache
-            for j in range(self.k):
+            for j in range(self.k):  # the argmax at every temperature, as vLLM drafts by default
                 logit = drafter.logits(h[:, j:j + 1] if parallel else h)[0, -1]
-                if self.temperature > 0:
-                    q = _draft_distribution(logit, drafter, self.vocab, self.temperature).cpu()
-                    d = int(torch.multinomial(q, 1, generator=self.generator))
-                    qs.append(q)
-                else:
-                    d = int(drafter.draft_to_target(logit.argmax().view(1)))
+                d = int(drafter.draft_to_target(logit.argmax().view(1)))
                 drafts.append(d)
                 if j + 1 < self.k and not parallel:
                     h, chain_cache = drafter(input_ids=torch.tensor([[d]], device=device),
@@ -149,7 +139,7 @@ class SpeculativeDecoder:
                                              positions=torch.tensor([[m + j]], device=device),
                                              past_key_values=chain_cache)
             logits, feats, tcache = self._target_step([tokens[-1]] + drafts, tcache)
-            accepted, next_token = self._verify(drafts, qs, logits)
+            accepted, next_token = self._verify(drafts, logits)
             stats.rounds += 1
             stats.draft_tokens += self.k
             stats.accepted += accepted
@@ -171,8 +161,9 @@ class SpeculativeDecoder:
         stats.seconds = time.perf_counter() - start
         return tokens[len(prompt_ids):], stats
 
-    def _verify(self, drafts: list[int], qs: list[Tensor], logits: Tensor) -> tuple[int, int]:
-        """(number of accepted drafts, the token the target adds after them)."""
+    def _verify(self, drafts: list[int], logits: Tensor) -> tuple[int, int]:
+        """(number of accepted drafts, the token the target adds after them). At temperature > 0, rejection
+        sampling against a one-hot proposal (vLLM's rejection sampler without draft probabilities)."""
         if self.temperature <= 0:
             target_ids = logits.argmax(-1).tolist()
             accepted = 0
@@ -180,11 +171,12 @@ class SpeculativeDecoder:
                 accepted += 1
             return accepted, target_ids[accepted]
         ps = torch.softmax(logits / self.temperature, dim=-1).cpu()
-        for j, (d, q) in enumerate(zip(drafts, qs, strict=True)):
+        for j, d in enumerate(drafts):
             p = ps[j]
-            if float(torch.rand((), generator=self.generator)) < min(1.0, float(p[d] / q[d].clamp_min(1e-30))):
+            if float(torch.rand((), generator=self.generator)) < float(p[d]):
                 continue
-            residual = (p - q).clamp_min(0)
+            residual = p.clone()
+            residual[d] = 0.0
             total = float(residual.sum())
             token = int(torch.multinomial(residual / total if total > 0 else p, 1, generator=self.generator))
             return j, token
