@@ -266,3 +266,43 @@ def test_one_hot_rejection_sampling_gives_the_target_distribution():
             counts[draft if accepted else token] += 1
         tv = 0.5 * float((counts.double() / n - p).abs().sum())
         assert tv < 0.015, (draft, tv, counts / n)
+
+
+def test_no_speculation_round_is_one_line(tiny_converted, tiny_target):
+    """Catches `eval --max-new-tokens 1` (every prompt ends at its first token: no verification round) crashing
+    the table with an IndexError, and --json printing tau NaN (not JSON)."""
+    for extra in ([], ["--json"]):
+        result = CliRunner().invoke(main, ["eval", str(tiny_converted), "-t", str(tiny_target), "--num-prompts", "1",
+                                           "--max-new-tokens", "1", "-q", *extra])
+        assert result.exit_code == 2 and "no speculation round ran" in result.stderr, result.output
+        assert "Traceback" not in result.output and "NaN" not in result.stdout
+
+
+def test_vllm_engine_missing_fails_before_the_reference_decode(tiny_converted, tiny_target, monkeypatch):
+    """Catches `eval --engine vllm` finding vLLM missing only after the whole reference decode (minutes to hours on
+    a real target)."""
+    import slimspec.evaluate.acceptance as acceptance
+
+    decoded = []
+    monkeypatch.setattr(acceptance, "_decode_runs", lambda *a, **k: decoded.append(1) or 1 / 0)
+    monkeypatch.setenv("SLIMSPEC_VLLM_PYTHON", "/nonexistent/python")
+    result = CliRunner().invoke(main, ["eval", str(tiny_converted), "-t", str(tiny_target), "--num-prompts", "1",
+                                       "--engine", "vllm", "-q"])
+    assert result.exit_code == 2 and "/nonexistent/python does not exist" in result.stderr, result.output
+    assert decoded == []
+
+
+def test_kappa_of_a_multi_layer_drafter(tiny_target, tmp_path):
+    """Catches measure_kappa's random drafter cache holding one layer's kv heads: a 2-layer drafter (whose cache
+    stacks its layers on dim 1) crashed with a size mismatch in `bench --kappa`."""
+    from transformers import AutoModelForCausalLM
+
+    from slimspec.evaluate.cost import measure_kappa
+
+    write_drafter(tmp_path / "d2", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32, layers=2))
+    target = AutoModelForCausalLM.from_pretrained(tiny_target)
+    drafter = Eagle3Drafter.from_checkpoint(load_drafter(tmp_path / "d2"),
+                                            embed_weight=target.model.embed_tokens.weight.detach())
+    assert drafter.config.num_layers == 2
+    result = measure_kappa(target, drafter, context=16, repeats=2)
+    assert result["kappa"] > 0 and result["drafter_layer_s"] > 0

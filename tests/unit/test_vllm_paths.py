@@ -86,3 +86,29 @@ def test_check_module_runs_as_a_module() -> None:
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--prompts-json" in proc.stdout
+
+
+def test_engine_failures_are_one_line_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches a vLLM check that times out, or whose last JSON-looking line is not JSON, surfacing as a
+    TimeoutExpired / JSONDecodeError traceback instead of one SlimSpecError line; and a run with no draft round
+    reporting tau NaN (invalid JSON under --json)."""
+    from slimspec.errors import SlimSpecError
+
+    monkeypatch.setenv(vllm_engine.PYTHON_ENV, sys.executable)
+    monkeypatch.setenv(vllm_engine.SCRIPT_ENV, __file__)
+
+    def timed_out(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(vllm_engine.subprocess, "run", timed_out)
+    with pytest.raises(SlimSpecError, match="did not finish within 5 s"):
+        vllm_engine.run_vllm_check("t", ["hi"], timeout=5)
+    monkeypatch.setattr(vllm_engine.subprocess, "run",
+                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, stdout="{truncated\n", stderr=""))
+    with pytest.raises(SlimSpecError, match="report is not JSON"):
+        vllm_engine.run_vllm_check("t", ["hi"])
+    report = {"ok": True, "spec_decode": {"num_drafts": 0}, "tau": float("nan")}
+    monkeypatch.setattr(vllm_engine, "run_vllm_check", lambda *a, **k: report)
+    monkeypatch.setattr(vllm_engine, "is_parallel_drafter", lambda folder: False)
+    with pytest.raises(SlimSpecError, match="no speculation round ran"):
+        vllm_engine.evaluate_vllm("d", "t", prompts=["hi"], max_new_tokens=1, draft_tokens=3, temperature=0.0)

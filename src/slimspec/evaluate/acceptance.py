@@ -35,7 +35,13 @@ def eval_prompts(dataset: str, num_prompts: int | None) -> list[str]:
     return prompts[:num_prompts] if num_prompts else prompts
 
 
+NO_ROUND = ("no speculation round ran: every prompt ended at its first new token (--max-new-tokens 1, or the "
+            "target's end-of-turn first); tau is undefined: give more new tokens or other prompts")
+
+
 def _stats_dict(stats: DecodeStats, num_prompts: int) -> dict[str, Any]:
+    if stats.rounds == 0:  # tau NaN and no per-position rates: a table would crash, --json would print NaN
+        raise SlimSpecError(NO_ROUND)
     return {"tau": stats.tau, "acceptance_per_position": stats.acceptance_per_position,
             "tokens_per_second": stats.tokens_per_second, "num_prompts": num_prompts, "rounds": stats.rounds,
             "new_tokens": stats.new_tokens, "seconds": stats.seconds}
@@ -188,9 +194,10 @@ def target_greedy(target_model, prompt_ids: list[int], max_new_tokens: int, eos:
 def _evaluate_both(drafter: str, target: str | None, *, dataset: str, num_prompts: int | None, max_new_tokens: int,
                    draft_tokens: int, temperature: float, seed: int, baseline: str | None,
                    progress: bool, device: str | None) -> dict[str, Any]:
-    from slimspec.evaluate.vllm_engine import evaluate_vllm
+    from slimspec.evaluate.vllm_engine import check_command, evaluate_vllm, vllm_python
     from slimspec.hub import resolve_model
 
+    check_command(vllm_python())  # a missing vLLM fails now, not after the whole reference decode
     reference = evaluate(drafter, target, dataset=dataset, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                          draft_tokens=draft_tokens, temperature=temperature, seed=seed, baseline=baseline,
                          progress=progress, device=device)

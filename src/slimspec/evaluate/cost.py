@@ -35,7 +35,8 @@ def synchronizer(device: torch.device | str | None) -> Callable[[], None]:
 
 def best_time(fn: Callable[[], Any], *, repeats: int = 20, warmup: int = 3, min_seconds: float = 0.2,
               sync: Callable[[], None] | None = None) -> float:
-    """Median seconds per call over ``repeats`` timed batches (each at least ``min_seconds`` long). ``sync`` (see
+    """Median seconds per call over ``repeats`` timed batches of equal calls, sized so that all batches together
+    take about ``min_seconds`` (a batch of short GPU kernels then lasts min_seconds / repeats). ``sync`` (see
     :func:`synchronizer`) runs before each clock start and before each clock stop."""
     sync = sync or (lambda: None)
     for _ in range(warmup):
@@ -113,7 +114,8 @@ def measure_kappa(target, drafter, *, full_head_rows: int | None = None, draft_t
         cache.crop(-(draft_tokens + 1))
 
     dtype = drafter.fc.weight.dtype
-    kv_shape = (1, drafter.config.num_key_value_heads, context, drafter.config.head_dim)
+    # a multi-layer drafter's cache stacks its layers' kv heads on dim 1
+    kv_shape = (1, drafter.config.num_key_value_heads * drafter.config.num_layers, context, drafter.config.head_dim)
     h = torch.randn(1, 1, hidden, dtype=dtype, device=device)
     k_cache = (torch.randn(kv_shape, dtype=dtype, device=device), torch.randn(kv_shape, dtype=dtype, device=device))
     token = torch.tensor([[1]], device=device)

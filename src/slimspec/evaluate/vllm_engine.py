@@ -85,12 +85,18 @@ def run_vllm_check(target: str | Path, prompts: list[str], *, drafter: str | Pat
         full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
         full_env.pop("TRITON_INTERPRET", None)  # vLLM's own Triton use must not run in the interpreter
         full_env.pop("PYTHONPATH", None)  # never let this process's paths shadow the venv's packages
-        proc = subprocess.run(cmd, cwd=tmp, env=full_env, capture_output=True, text=True, timeout=timeout)
+        try:
+            proc = subprocess.run(cmd, cwd=tmp, env=full_env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise SlimSpecError(f"vLLM check did not finish within {timeout:g} s") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
         tail = "\n".join(proc.stderr.splitlines()[-30:])
         raise SlimSpecError(f"vLLM check exited with {proc.returncode} and no report:\n{tail}")
-    report = json.loads(lines[-1])
+    try:
+        report = json.loads(lines[-1])
+    except json.JSONDecodeError as exc:
+        raise SlimSpecError(f"vLLM check's report is not JSON ({exc.msg}): {lines[-1][:200]}") from None
     report["stderr_tail"] = "\n".join(proc.stderr.splitlines()[-15:]) if not report.get("ok") else ""
     return report
 
@@ -142,6 +148,10 @@ def evaluate_vllm(
     if not report.get("ok"):
         raise SlimSpecError(f"vLLM could not run {drafter_folder}: {report.get('error')}")
     spec = report["spec_decode"]
+    if not spec.get("num_drafts"):
+        from slimspec.evaluate.acceptance import NO_ROUND
+
+        raise SlimSpecError(f"vLLM: {NO_ROUND}")
     return {
         "tau": report["tau"],
         "acceptance_per_position": report["acceptance_per_position"],
