@@ -45,7 +45,9 @@ def main() -> int:
     drafter, note = embedded.EMBEDDED_DRAFTER, "reference EAGLE-3 drafter (trained for SmolLM2-135M-Instruct)"
     print(f"[demo] drafter: {note}", file=sys.stderr)
     options, config = brief_distillation(args.distill_steps)
-    print(f"[demo] = {brief_command(drafter, steps=args.distill_steps)}", file=sys.stderr)
+    short = f"slimspec convert {drafter} --rank d/8 --recipe brief" + (
+        f" --distill-steps {args.distill_steps}" if args.distill_steps != BRIEF_DISTILL_STEPS else "")
+    print(f"[demo] = {short}\n[demo] = {brief_command(drafter, steps=args.distill_steps)}", file=sys.stderr)
     result = convert_briefly(drafter, target, "d/8", OUT / "smollm2-135m-eagle3-slimspec-r72",
                              steps=args.distill_steps, overwrite=True, progress=True)
     r = result.report
