@@ -57,3 +57,16 @@ def test_backbone_training_with_a_rank_that_draws_no_sequence(tiny_converted, ti
     assert len(two["losses"]) == 3
     for a, b in zip(one["losses"], two["losses"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (one["losses"], two["losses"])
+
+
+def test_from_scratch_under_torchrun_writes_once(tiny_target, tmp_path):
+    """Catches every rank of `distill --from-scratch` under torchrun building the teacher cache and writing the
+    output folder: the slower rank found the folder the other had written and failed ("already exists")."""
+    env = {**os.environ, "SLIMSPEC_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "scratch"
+    summary = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    _free_port(), "-m", "slimspec", "distill", "--from-scratch", "-t", str(tiny_target),
+                    "--draft-vocab", "300", "--steps", "2", "--num-prompts", "4", "--max-new-tokens", "8",
+                    "--batch-tokens", "64", "-o", str(out), "--json", "-q"], env, timeout=300)
+    assert len(summary["losses"]) == 2 and (out / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".scratch")) == []

@@ -221,17 +221,32 @@ def test_resume_is_bit_for_bit(tiny_converted, tiny_target, tmp_path):
     state = torch.load(saved, weights_only=True)
     del state["config"]["bf16"]
     torch.save(state, saved)
-    with pytest.raises(SlimSpecError, match="other settings"):
+    with pytest.raises(SlimSpecError, match="other settings \\(bf16 False, now True\\)"):
         distill(tiny_converted, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg, bf16=True),
                 data_options=FEW, resume=True, progress=False)
+    # --resume where no run saved anything starts nothing (it used to start over and replace the output)
+    with pytest.raises(SlimSpecError, match="no checkpoint in .* to resume from"):
+        distill(tiny_converted, str(tiny_target), out=tmp_path / "never", config=DistillConfig(**cfg),
+                data_options=FEW, resume=True, progress=False)
+    assert not (tmp_path / "never").exists()
+    # nor a checkpoint of another student: a drafter of the same shapes but other weights resumed silently
+    write_drafter(tmp_path / "other", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32,
+                                                    seed=9))
+    other = slimspec.convert(str(tmp_path / "other"), str(tiny_target), 8, out=tmp_path / "other-r8",
+                             progress=False).out
+    with pytest.raises(SlimSpecError, match="another source drafter"):
+        distill(other, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg), data_options=FEW,
+                resume=True, progress=False)
     # nor does one on other teacher data (the saved parameters and optimizer state belong to another run)
     from dataclasses import replace
 
     with pytest.raises(SlimSpecError, match="other teacher data"):
         distill(tiny_converted, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg),
                 data_options=replace(FEW, num_prompts=5), resume=True, progress=False)
-    _, resumed = distill(tiny_converted, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg),
-                         data_options=FEW, resume=True, progress=False)
+    # when checkpoints are written is not part of the run: a resume may change --save-every
+    _, resumed = distill(tiny_converted, str(tiny_target), out=tmp_path / "part",
+                         config=DistillConfig(**{**cfg, "save_every": 2}), data_options=FEW, resume=True,
+                         progress=False)
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]
     # the training time counts both segments (the model card's minutes), not only the resumed one
     assert resumed.seconds >= resumed.history[-1]["seconds"] >= resumed.history[2]["seconds"] > 0
@@ -677,3 +692,44 @@ def test_distilling_a_drafter_with_unknown_tensors_warns(tiny_converted, tiny_ta
         out, _ = distill(source, str(tiny_target), out=tmp_path / "o", data_options=FEW, progress=False,
                          config=DistillConfig(steps=1, batch_tokens=128, warmup_steps=1))
     assert "adapter.scale" not in load_file(str(out / "model.safetensors"))
+
+
+def _synthetic_teacher(answers: list[bool], length: int = 12, vocab: int = 50, hidden: int = 16):
+    """TeacherData of random sequences; answers[i] False: sequence i is all prompt (no position teaches)."""
+    from slimspec.distill.teacher import TeacherData
+
+    g = torch.Generator().manual_seed(0)
+    masks = []
+    for answered in answers:
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[4:] = answered
+        masks.append(mask)
+    n = length * len(answers)
+    return TeacherData(input_ids=torch.randint(0, vocab, (n,), generator=g), loss_mask=torch.cat(masks),
+                       aux=torch.randn(n, 3 * hidden, generator=g), final=torch.randn(n, hidden, generator=g),
+                       starts=torch.arange(0, n + 1, length), manifest={"key": "synthetic"})
+
+
+def test_backbone_training_without_weighted_rows(tmp_path):
+    """Catches --train-backbone (and --from-scratch) crashing with "element 0 of tensors does not require grad"
+    when a step draws only sequences without answer positions, and training nothing, silently, when no sequence
+    has any (a head-only run refuses that in one line; now both do)."""
+    from slimspec.checkpoint.drafter import DrafterConfig
+    from slimspec.distill.train import distill_drafter
+    from slimspec.model import Eagle3Drafter, LowRankHead
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                        intermediate_size=32, target_hidden_size=16, vocab_size=50, draft_vocab_size=50)
+    drafter = Eagle3Drafter(cfg, head=LowRankHead(torch.randn(50, 4) * 0.1, torch.randn(4, 16) * 0.1),
+                            embed_weight=torch.randn(50, 16))
+    head = torch.randn(50, 16)
+    with pytest.raises(SlimSpecError, match="no teacher sequence has answer tokens"):
+        distill_drafter(drafter, _synthetic_teacher([False] * 6), head,
+                        DistillConfig(steps=2, train_backbone=True), progress=False)
+    # one sequence per step (batch_tokens 1), most of them without answers: steps without rows just pass
+    result = distill_drafter(drafter, _synthetic_teacher([True, False, False, False, False, False, True, False]),
+                             head, DistillConfig(steps=8, train_backbone=True, batch_tokens=1, warmup_steps=0),
+                             progress=False)
+    assert len(result.history) == 8 and any(h["loss"] == 0 for h in result.history)
+    assert any(h["loss"] > 0 for h in result.history)

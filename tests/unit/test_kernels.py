@@ -137,6 +137,26 @@ def test_use_triton_dispatch(monkeypatch):
     assert not kernels.use_triton(cpu)
 
 
+def test_triton_path_never_drops_autograd(tlr):
+    """Catches the forward-only Triton kernels returning values without a graph where the same call on the torch
+    path is differentiable (backend auto on a GPU would silently train nothing): auto takes the torch path when an
+    input requires grad, an explicit triton backend is refused, and under no_grad Triton runs as before."""
+    h, w_down, w_up = _random(3, 8, torch.float32)
+    w_up.requires_grad_(True)
+    for call in (lambda **kw: kernels.lowrank_logits(h, w_down, w_up, **kw),
+                 lambda **kw: kernels.lowrank_topk(h, w_down, w_up, 2, **kw)[0]):
+        assert kernels.active_backend(h) == "triton"  # the interpreter is on: auto would take Triton
+        out = call()
+        assert out.requires_grad
+        out.sum().backward()
+        assert w_up.grad is not None and w_up.grad.abs().sum() > 0
+        w_up.grad = None
+        with pytest.raises(RuntimeError, match="forward-only"):
+            call(backend="triton")
+        with torch.no_grad():
+            assert not call(backend="triton").requires_grad
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("rank", [72, 37])
 def test_reference_matches_float64(dtype, rank):
@@ -268,6 +288,27 @@ def test_triton_dot_path_keeps_z_precision(tlr, dtype):
     exact = _exact(h, w_down, w_up)
     logits32 = tlr.lowrank_logits(h, w_down, w_up, out_dtype=torch.float32, config=_config(tlr, 64, "dot"))
     assert (logits32.double() - exact).abs().max().item() <= 1e-4 * exact.abs().max().item()
+
+
+def test_triton_fp16_dot_path_with_large_z(tlr):
+    """Catches the fp16 tl.dot path turning |z| > 65504 into inf (z's fp16 high half) and then NaN: logits all
+    NaN and argmax the first index, on batches above the FMA path's only, while the FMA path and the reference
+    were right. Rows of z are scaled by a power of two into fp16's range and the results scaled back."""
+    h, w_down, w_up = _random(8, 72, torch.float16, seed=5)
+    h, w_down = h * 300, w_down * 100  # |z| up to ~1e5, beyond fp16
+    h[1] = 0  # one row far smaller than the others keeps its own scale
+    exact = _exact(h, w_down, w_up)
+    assert (h.double() @ w_down.double().T).abs().max() > 65504
+    cfg = _config(tlr, 8, "dot")
+    logits32 = tlr.lowrank_logits(h, w_down, w_up, out_dtype=torch.float32, config=cfg)
+    assert torch.isfinite(logits32).all()
+    assert (logits32.double() - exact).abs().max().item() <= 1e-4 * exact.abs().max().item()
+    assert torch.equal(tlr.lowrank_argmax(h, w_down, w_up, config=cfg), exact.argmax(-1))
+    values, indices = tlr.lowrank_topk(h, w_down, w_up, 3, config=cfg)
+    top = exact.topk(3, dim=-1)
+    assert torch.equal(indices, top.indices)
+    # fp16 values, as the reference returns them: beyond 65504 they are inf in both
+    torch.testing.assert_close(values.double(), top.values.half().double(), rtol=2e-3, atol=0.0)
 
 
 @pytest.mark.slow

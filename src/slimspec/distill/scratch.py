@@ -26,6 +26,7 @@ from slimspec.distill.teacher import TeacherData, TeacherSettings, aux_layers_fo
 from slimspec.distill.train import (
     DistillConfig,
     DistillResult,
+    _world,
     distill_drafter,
     prepare_checkpoint_dir,
     training_device,
@@ -131,7 +132,13 @@ def train_from_scratch(
     parts = load_target_parts(target)
     if not 0 < draft_vocab <= parts.head.shape[0]:
         raise SlimSpecError(f"--draft-vocab must be in 1..{parts.head.shape[0]}, got {draft_vocab}")
-    teacher, settings = scratch_teacher(parts, options, progress)
+    rank_id, world = _world()
+    if rank_id == 0:  # under torchrun, rank 0 builds the teacher cache and the others read it
+        teacher, settings = scratch_teacher(parts, options, progress)
+    if world > 1:
+        torch.distributed.barrier()
+    if rank_id != 0:
+        teacher, settings = scratch_teacher(parts, options, False)
     if every_nth_sequence > 1:
         teacher = teacher.subset(list(range(0, len(teacher), every_nth_sequence)))
     draft_ids = frequent_response_tokens(teacher, draft_vocab)
@@ -147,7 +154,10 @@ def train_from_scratch(
     teacher_head = parts.head[draft_ids] if draft_vocab != parts.head.shape[0] else parts.head
     result = distill_drafter(drafter, teacher, teacher_head, cfg, checkpoint_dir=checkpoints, resume=resume,
                              progress=progress, device=training_device(options.device))
-    write_eagle_layout(drafter, dcfg, draft_ids, out, result, target, settings, overwrite, training_extra)
+    if rank_id == 0:  # one writer: under torchrun every rank holds the same trained drafter
+        write_eagle_layout(drafter, dcfg, draft_ids, out, result, target, settings, overwrite, training_extra)
+    if world > 1:
+        torch.distributed.barrier()
     return out, result
 
 

@@ -565,6 +565,10 @@ def _distill(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.T
     kl_before, kl_before_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=kind,
                                              source=source)
     top1_before = evaluate_top1(drafter, eval_features, teacher, teacher_head, kind=kind, source=source)
+    if cfg.train_backbone and not any((x := _sequence_inputs(teacher, i, k)) is not None and bool(x[3].sum() > 0)
+                                      for i in train_idx):  # as student_features refuses for a head-only run
+        raise SlimSpecError(f"no teacher sequence has answer tokens to learn from (each needs more than {k} tokens, "
+                            "some of them answer tokens)")
     train_features = None if cfg.train_backbone else student_features(drafter, teacher, train_idx, k, progress,
                                                                        all_positions=kind == "drafter")
     table = None if train_features is None else frozen_teacher_table(train_features, teacher, teacher_head, kind,
@@ -587,12 +591,21 @@ def _distill(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.T
     generator = torch.Generator().manual_seed(cfg.seed)
     history: list[dict] = []
     start_step = 0
-    if checkpoint_dir is not None and resume and (path := latest_checkpoint(checkpoint_dir)):
+    run = {**run, "student": _student_identity(drafter, params)}
+    if resume and (checkpoint_dir is None or not (path := latest_checkpoint(checkpoint_dir))):
+        # starting over instead would silently take whatever options this call has, and replace the output
+        raise SlimSpecError(f"--resume: no checkpoint in {checkpoint_dir} to resume from (a run saves them with "
+                            "--save-every N); drop --resume to start over")
+    if resume:
         state = torch.load(path, map_location="cpu", weights_only=True)
         # a field added since the checkpoint was written counts as its default (the behaviour it was written with)
-        if {**asdict(DistillConfig()), **state["config"]} != asdict(cfg):
-            raise SlimSpecError(f"{path}: saved with other settings; resume needs the same options")
-        if state.get("run", run) != run:  # checkpoints from before this record carry none
+        saved = {**asdict(DistillConfig()), **state["config"]}
+        differ = [k for k, v in asdict(cfg).items() if k not in RESUME_FREE and saved.get(k) != v]
+        if differ:
+            shown = ", ".join(f"{k} {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in differ)
+            raise SlimSpecError(f"{path}: saved with other settings ({shown}); resume needs the same options")
+        saved_run = state.get("run") or {}  # checkpoints from before a field was recorded carry none of it
+        if any(saved_run.get(key, value) != value for key, value in run.items()):
             raise SlimSpecError(f"{path}: saved by a run on other teacher data or another source drafter; resume "
                                 "needs the same --data, prompts and checkpoint (or another --out)")
         with torch.no_grad():
@@ -627,7 +640,8 @@ def _distill(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.T
                                   matmul_dtype=torch.bfloat16 if cfg.bf16 else None,
                                   teacher_temperature=cfg.teacher_temperature,
                                   teacher_logits=logits, teacher_rows=table_rows)
-        loss.backward()
+        if loss.requires_grad:  # a batch without weighted rows (this rank's, or all) gives a constant: no gradient
+            loss.backward()
         for p in params:
             if p.grad is None and world > 1:  # a rank without rows this step: every rank must reduce every tensor
                 p.grad = torch.zeros_like(p)
@@ -697,6 +711,19 @@ def prune_checkpoints(folder: Path, keep_every: int) -> None:
     for path in found[:-1]:
         if int(path.stem.removeprefix("step-")) % keep_every:
             path.unlink(missing_ok=True)
+
+
+RESUME_FREE = {"save_every"}
+"""DistillConfig fields a resume may change: when checkpoints are written does not change the run."""
+
+
+def _student_identity(drafter: Eagle3Drafter, trained: list[torch.nn.Parameter]) -> dict:
+    """The student a checkpoint's parameters belong to: the trained tensors' shapes and the sum of the frozen ones
+    (a checkpoint of a rank-8 head copied into a rank-4 one failed with a shape error; one of another drafter of
+    the same shapes resumed silently)."""
+    ids = {id(p) for p in trained}
+    frozen = sum(float(p.detach().double().sum()) for p in drafter.parameters() if id(p) not in ids)
+    return {"shapes": [list(p.shape) for p in trained], "frozen_sum": frozen}
 
 
 def _run_identity(teacher: TeacherData, teacher_head: torch.Tensor) -> dict:

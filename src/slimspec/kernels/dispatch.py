@@ -45,12 +45,19 @@ def active_backend(tensor: torch.Tensor) -> Backend:
     return "triton" if use_triton(tensor) else "torch"
 
 
-def _resolve(backend: str, tensor: torch.Tensor) -> Backend:
+def _resolve(backend: str, tensor: torch.Tensor, *differentiable: torch.Tensor) -> Backend:
+    """The path a call takes. The Triton kernels are forward-only: where autograd would track ``differentiable``
+    (grad enabled, one of them requires grad), ``auto`` takes the torch path and ``triton`` is refused, rather than
+    returning values without a graph."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
     if backend == "auto":
-        return active_backend(tensor)
+        return "torch" if needs_grad else active_backend(tensor)
     if backend == "torch":
         return "torch"
     if backend == "triton":
+        if needs_grad:
+            raise RuntimeError("backend='triton' is forward-only and an input requires grad: use backend='torch' "
+                               "(or 'auto'), or call it under torch.no_grad()")
         if not triton_available():
             raise RuntimeError("backend='triton' but triton is not installed")
         if not (tensor.is_cuda or interpreting()):
@@ -86,7 +93,7 @@ def lowrank_logits(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, *,
     Output dtype = h.dtype; float32 accumulation (z = h @ w_down.T is kept in float32).
     """
     h2 = _flatten(h, w_down, w_up)
-    if _resolve(backend, h) == "triton":
+    if _resolve(backend, h, h, w_down, w_up) == "triton":
         from slimspec.kernels import triton_lowrank
 
         with _on_device(h2):
@@ -123,7 +130,7 @@ def lowrank_topk(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, k: i
     h2 = _flatten(h, w_down, w_up)
     if not 1 <= k <= w_up.shape[0]:
         raise ValueError(f"k must be in [1, V={w_up.shape[0]}], got {k}")
-    if _resolve(backend, h) == "triton":
+    if _resolve(backend, h, h, w_down, w_up) == "triton":
         from slimspec.kernels import triton_lowrank
 
         with _on_device(h2):

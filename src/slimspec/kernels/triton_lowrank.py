@@ -19,8 +19,9 @@ Two inner-product paths, chosen per call by ``TileConfig.use_dot``:
 Ties: lowest index among equal maxima (``tie_break_left`` inside a tile, strict ``>`` across tiles in index
 order), as ``torch.argmax``. NaN: a NaN logit wins and the first NaN index is returned, as ``torch.argmax``.
 
-Limits: fp16 inputs need |z| < 65504 on the tl.dot path (z_hi is an fp16 value; torch's fp16 matmul has the
-same range); indices are int32 inside the kernels (V < 2**31); top-k fuses k <= 32.
+Limits: on the fp16 tl.dot path z_hi is an fp16 value, so rows of z beyond 2**14 are divided by a power of two
+first and the results multiplied back (exact; fp16 logits beyond 65504 are inf, as the reference's are);
+indices are int32 inside the kernels (V < 2**31); top-k fuses k <= 32.
 
 Interpreter (``TRITON_INTERPRET=1``): Triton 3.9's interpreter multiplies the raw bit patterns of bfloat16
 ``tl.dot`` operands (triton-lang/triton#11584, not supported upstream) and also mis-evaluates bf16
@@ -305,6 +306,23 @@ def _check_config(cfg: TileConfig) -> None:
         raise ValueError("TileConfig with use_dot needs every block >= 16 (tl.dot minimum)")
 
 
+FP16_Z_LIMIT = 2.0 ** 14
+"""Largest |z| the fp16 tensor-core path feeds as is: z's fp16 high half overflows past 65504 (inf, then NaN)."""
+
+
+def _fp16_row_scale(z: torch.Tensor, flags: dict[str, bool], dtype: torch.dtype) -> torch.Tensor | None:
+    """On the fp16 tensor-core path, divide each row of z by a power of two that keeps it under FP16_Z_LIMIT
+    (in place; exact) and return the per-row factors [B, 1] the results are multiplied back by; else None. The
+    factors stay on the device: no host sync."""
+    if not (flags["USE_DOT"] and flags["SPLIT_Z"] and dtype == torch.float16) or z.shape[0] == 0:
+        return None
+    top = z.abs().amax(dim=1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.ones_like(top))  # inf/NaN rows stay as they are
+    scale = torch.exp2(torch.ceil(torch.log2(top.clamp_min(1.0) / FP16_Z_LIMIT)).clamp_min(0.0))
+    z.div_(scale)
+    return scale
+
+
 def _prepare(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor,
              config: TileConfig | None) -> tuple[torch.Tensor, TileConfig, dict[str, bool]]:
     """Config for this call and z = h @ w_down.T in float32 (first kernel)."""
@@ -340,11 +358,12 @@ def lowrank_logits(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, *,
     out = torch.empty(batch, vocab, dtype=out_dtype or h.dtype, device=h.device)
     if batch == 0:
         return out
+    scale = _fp16_row_scale(z, flags, h.dtype)
     grid = (triton.cdiv(vocab, cfg.block_v), triton.cdiv(batch, cfg.block_b))
     _logits_kernel[grid](z, w_up, out, *_tile_args(z, w_up), out.stride(0),
                          BLOCK_B=cfg.block_b, BLOCK_V=cfg.block_v, BLOCK_R=cfg.block_r, **flags,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
+    return out if scale is None else out.mul_(scale.to(out.dtype))
 
 
 def lowrank_argmax(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, *,
@@ -355,6 +374,7 @@ def lowrank_argmax(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, *,
     out = torch.empty(batch, dtype=torch.int64, device=h.device)
     if batch == 0:
         return out
+    _fp16_row_scale(z, flags, h.dtype)  # a positive factor per row: the argmax is the same
     tiles = triton.cdiv(vocab, cfg.block_v)
     pmax = torch.empty(batch, tiles, dtype=torch.float32, device=h.device)
     pidx = torch.empty(batch, tiles, dtype=torch.int32, device=h.device)
@@ -381,6 +401,7 @@ def lowrank_topk(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, k: i
         values, indices = torch.sort(logits, dim=-1, descending=True, stable=True)
         return values[:, :k].to(h.dtype), indices[:, :k]
     z, cfg, flags = _prepare(h, w_down, w_up, config)
+    scale = _fp16_row_scale(z, flags, h.dtype)
     tiles = triton.cdiv(vocab, cfg.block_v)
     pval = torch.empty(batch, tiles * k, dtype=torch.float32, device=h.device)
     pidx = torch.empty(batch, tiles * k, dtype=torch.int32, device=h.device)
@@ -394,5 +415,6 @@ def lowrank_topk(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, k: i
     by_index = torch.argsort(pidx, dim=-1, stable=True)
     pval, pidx = pval.gather(-1, by_index), pidx.gather(-1, by_index)
     values, order = torch.sort(pval, dim=-1, descending=True, stable=True)
-    return values[:, :k].to(h.dtype), pidx.gather(-1, order[:, :k]).long()
+    values = values[:, :k] if scale is None else values[:, :k] * scale
+    return values.to(h.dtype), pidx.gather(-1, order[:, :k]).long()
 
