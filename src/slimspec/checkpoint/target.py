@@ -71,6 +71,9 @@ def load_target_head(folder: str | Path) -> TargetHead:
         raise CheckpointError(f"{folder}: target has neither lm_head.weight nor a tied embedding{untied}")
     if weight.dim() != 2:
         raise CheckpointError(f"{folder}: {name} is not a matrix")
+    if not weight.is_floating_point() or weight.element_size() < 2:  # FP8/INT8 values are not the weights
+        raise CheckpointError(f"{folder}: {name} is stored as {str(weight.dtype).removeprefix('torch.')}: a "
+                              "quantised head is not supported: give the unquantised target")
     hidden = config.get("hidden_size")
     if hidden is not None and int(hidden) != weight.shape[1]:
         raise CheckpointError(f"{folder}: {name} is {list(weight.shape)} but hidden_size is {hidden}")

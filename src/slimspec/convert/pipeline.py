@@ -111,6 +111,17 @@ def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: Voc
     return weight, head.shape[0]
 
 
+def check_finite_head(weight: torch.Tensor, rows_from_drafter: int, vocab: VocabMode) -> None:
+    """A head holding inf or NaN has no SVD (LAPACK fails deep inside, "Internal Error"): name the row instead."""
+    bad = ~torch.isfinite(weight).all(dim=1)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        whose = "the drafter's head" if vocab == "draft" or rows_from_drafter == weight.shape[0] else \
+            "the stitched head (drafter and target rows)"
+        raise CheckpointError(f"{whose} holds inf or NaN ({int(bad.sum())} row(s), the first at token {row}): "
+                              "such a head cannot be factorised")
+
+
 def check_not_the_source(out: Path, *inputs: Path | str | None) -> None:
     """Refuse an output folder that is, or contains, an input model's folder (the drafter, the target): writing
     there (with ``--overwrite``) would replace or delete that model."""
@@ -229,6 +240,8 @@ def convert(
         target = ckpt.named_target
         if target is not None:
             stages.say(f"target {target} (named by the drafter; --target overrides)")
+    if target_revision is None and target is not None:  # a SlimSpec source's pinned target revision stays pinned
+        target_revision = ckpt.target_revision_for(str(target))
     target_head = None
     if target is not None:
         target = str(target)
@@ -243,6 +256,7 @@ def convert(
                f"of {cfg.vocab_size}, head {'low-rank' if ckpt.is_lowrank else 'own' if ckpt.has_head else 'shared'}")
 
     weight, rows_from_drafter = stitched_head(ckpt, target_head, vocab, stitch)
+    check_finite_head(weight, rows_from_drafter, vocab)
     hidden = weight.shape[1]
     needs_spectrum = str(rank).strip().startswith("energy:")
     r = None if needs_spectrum else parse_rank(rank, hidden)
