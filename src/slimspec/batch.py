@@ -272,7 +272,7 @@ def run_job(job: dict[str, Any]) -> JobResult:
 
     start = time.perf_counter()
     fingerprint = job_fingerprint(job)
-    out = Path(job.get("out") or f"{model_name(str(job['drafter']))}-slimspec-{fingerprint[:8]}")  # ~ expanded
+    out = Path(job.get("out") or f"{model_name(str(job['drafter']))}-slimspec-{fingerprint[:8]}")
     inputs = inputs_identity(job)
     if finished(out, fingerprint, inputs) and not job.get("push_to") and not job.get("eval_prompts"):
         report = json.loads((out / "slimspec.json").read_text())
