@@ -149,14 +149,22 @@ def head_from_tensors(tensors: dict[str, Tensor]) -> Head | None:
 # ------------------------------------------------------------------------------------------------ RoPE
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
-    """Inverse frequencies [head_dim/2] (float64) for plain, ``linear`` or ``llama3`` RoPE scaling."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_position_embeddings: int = 2048) -> Tensor:
+    """Inverse frequencies [head_dim/2] (float64) of plain, ``linear``, ``llama3`` or ``yarn`` RoPE scaling."""
+    return rope_parameters(head_dim, theta, scaling, max_position_embeddings)[0]
+
+
+def rope_parameters(head_dim: int, theta: float, scaling: dict | None,
+                    max_position_embeddings: int = 2048) -> tuple[Tensor, float]:
+    """(inverse frequencies [head_dim/2] float64, the factor cos and sin are multiplied by): 1 but for YaRN, whose
+    attention factor (0.1 ln(factor) + 1, or mscale / mscale_all_dim, or attention_factor) scales them as
+    transformers' and vLLM's YaRN rotary embeddings do (gpt-oss EAGLE-3 drafters use it)."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     kind = None if not scaling else (scaling.get("rope_type") or scaling.get("type"))
     if kind in (None, "default"):
-        return inv
+        return inv, 1.0
     if kind == "linear":
-        return inv / float(scaling["factor"])
+        return inv / float(scaling["factor"]), 1.0
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
@@ -164,15 +172,46 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
         wavelen = 2 * math.pi / inv
         # long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between blended
         smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-        return (1 - smooth) * inv / factor + smooth * inv
+        return (1 - smooth) * inv / factor + smooth * inv, 1.0
+    if kind == "yarn":
+        return _yarn(inv, head_dim, theta, scaling, max_position_embeddings)
     raise CheckpointError(f"the drafter's RoPE scaling type {kind!r} is not supported for distillation or evaluation "
-                          "(only default, linear, llama3)")
+                          "(only default, linear, llama3, yarn)")
+
+
+def _yarn(inv: Tensor, head_dim: int, theta: float, scaling: dict, max_position_embeddings: int
+          ) -> tuple[Tensor, float]:
+    """YaRN (Peng et al. 2023): frequencies above the beta_fast band kept, below beta_slow divided by ``factor``,
+    a linear ramp between, over the original context length."""
+    factor = float(scaling["factor"])
+    original = float(scaling.get("original_max_position_embeddings") or max_position_embeddings)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def dim_of(rotations: float) -> float:  # the frequency index that turns `rotations` times over `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(float(scaling.get("beta_fast") or 32)), dim_of(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0.0, 1.0)
+    kept = 1 - ramp  # share of the original (extrapolated) frequency
+    return inv / factor * (1 - kept) + inv * kept, float(attention)
 
 
 def check_buildable(cfg: DrafterConfig) -> None:
     """Raise the one-line ``CheckpointError`` that building an :class:`Eagle3Drafter` for ``cfg`` would (RoPE
     scaling, activation), before any costly work (a target's download) is done for it."""
-    rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    rope_parameters(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
     if cfg.hidden_act not in ACTIVATIONS:
         raise CheckpointError(f"the drafter's activation {cfg.hidden_act!r} is not supported "
                               f"(only {', '.join(ACTIVATIONS)})")
@@ -317,7 +356,8 @@ class Eagle3Drafter(nn.Module):
                 raise ValueError(f"head maps {width} -> {up.shape[0]}, config needs {cfg.hidden_size} -> "
                                  f"{cfg.draft_vocab_size}")
         # float64, not a buffer: model.to(bfloat16) must not round the frequencies
-        self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self._inv_freq, self._rope_scale = rope_parameters(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                                           cfg.max_position_embeddings)
         self._inv_freq_on: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # its copies per (device, dtype)
         self._embed_in_checkpoint = False
         self.register_buffer("embed_weight", None, persistent=False)
@@ -426,6 +466,8 @@ class Eagle3Drafter(nn.Module):
         inv_freq = self._inv_freq_on[key]
         angles = positions.to(exact).unsqueeze(-1) * inv_freq
         angles = torch.cat([angles, angles], dim=-1)
+        if self._rope_scale != 1.0:  # YaRN's attention factor
+            return (angles.cos() * self._rope_scale).to(dtype), (angles.sin() * self._rope_scale).to(dtype)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def forward(self, input_ids: Tensor | None = None, hidden: Tensor | None = None, positions: Tensor | None = None,

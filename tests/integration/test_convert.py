@@ -206,16 +206,17 @@ def test_output_config_is_unknown_outside_the_plugin(tmp_path):
 
 
 def test_unsupported_rope_drafter_is_refused_before_the_target_only_when_built(tmp_path):
-    """Catches a yarn-RoPE drafter failing with a NotImplementedError traceback after the target is loaded (whitened
-    start, distillation) instead of a one-line error first; a plain SVD conversion must still work."""
+    """Catches a drafter with an unsupported RoPE scaling (dynamic NTK) failing with a NotImplementedError traceback
+    after the target is loaded (whitened start, distillation) instead of a one-line error first; a plain SVD
+    conversion must still work."""
     write_drafter(tmp_path / "d", "eagle", Spec(extra_config={"rope_scaling": {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}))
+        "rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 1024}}))
     write_target(tmp_path / "t")
     out = slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o", progress=False).out
-    assert load_drafter(out).config.rope_scaling["rope_type"] == "yarn"
+    assert load_drafter(out).config.rope_scaling["rope_type"] == "dynamic"
     for options in (["--init", "whitened"], ["--distill-steps", "2"]):  # the target is never reached
         result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--target", str(tmp_path / "nowhere"),
                                            "--rank", "8", "-o", str(tmp_path / "o2"), *options])
         assert result.exit_code == 2, result.output
-        assert "RoPE scaling type 'yarn' is not supported" in result.output and "Traceback" not in result.output
+        assert "RoPE scaling type 'dynamic' is not supported" in result.output and "Traceback" not in result.output
         assert "nowhere" not in result.output

@@ -29,6 +29,9 @@ pytestmark = pytest.mark.slow
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 512}
 
+YARN_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+             "original_max_position_embeddings": 256}  # gpt-oss drafters' setting, at a small context
+
 # name: (layout, spec, rope_scaling, first position, low-rank rank)
 CASES = {
     "llama-eagle-full-vocab-head_dim": ("eagle", Spec(head_dim=12, draft_vocab=None), None, 0, None),
@@ -41,6 +44,7 @@ CASES = {
     "llama-specforge-lowrank": ("specforge", Spec(kv_heads=4), None, 0, 6),
     "llama-speculators-3-layers": ("speculators", Spec(layers=3), None, 0, None),
     "llama-eagle-2-layers-attention_bias": ("eagle", Spec(layers=2, attention_bias=True), None, 0, None),
+    "llama-speculators-yarn": ("speculators", Spec(), YARN_ROPE, 300, None),
     "qwen3-speculators-2-layers-lowrank-norm_output": (
         "speculators", Spec(qwen3=True, layers=2, head_dim=16, extra_config={"norm_output": True}), None, 7, 5),
 }

@@ -348,11 +348,34 @@ def test_rope_frequencies_match_transformers(scaling):
     torch.testing.assert_close(rope_inv_freq(128, 500000.0, scaling).float(), ref.float(), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("scaling", [
+    # gpt-oss EAGLE-3 drafters' setting
+    {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+     "original_max_position_embeddings": 4096},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},  # defaults, truncated range
+    {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 16,
+     "original_max_position_embeddings": 4096},
+    {"rope_type": "yarn", "factor": 8.0, "attention_factor": 1.3, "original_max_position_embeddings": 1024},
+])
+def test_yarn_matches_transformers(scaling):
+    """Catches a wrong YaRN ramp (correction range, truncation, beta defaults) or attention factor (mscale
+    variants): transformers' YaRN is the reference for both the frequencies and the factor cos/sin carry."""
+    from slimspec.model import rope_parameters
+
+    params = {**scaling, "rope_theta": 150000.0}
+    hf = LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=64, max_position_embeddings=131072,
+                     rope_parameters=params)
+    ref, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    inv, ours = rope_parameters(64, 150000.0, scaling, 131072)
+    torch.testing.assert_close(inv.float(), ref.float(), rtol=1e-6, atol=0)
+    assert ours == pytest.approx(factor, rel=1e-12) and (ours != 1.0)
+
+
 def test_unsupported_rope_scaling_raises():
-    """Catches a yarn/dynamic drafter silently run with plain RoPE, or refused with a traceback, not a one-line
-    CheckpointError."""
-    with pytest.raises(CheckpointError, match="RoPE scaling type 'yarn' is not supported"):
-        Eagle3Drafter(_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    """Catches a dynamic-NTK (or other unsupported) drafter silently run with plain RoPE, or refused with a
+    traceback, not a one-line CheckpointError."""
+    with pytest.raises(CheckpointError, match="RoPE scaling type 'dynamic' is not supported"):
+        Eagle3Drafter(_config(rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
     with pytest.raises(CheckpointError, match="activation 'tanh' is not supported"):
         Eagle3Drafter(_config(hidden_act="tanh"))
 
