@@ -568,6 +568,52 @@ def test_attention_bias_drafter_is_served_as_the_reference_decoder_runs_it(targe
         assert served > 1.1 and abs(served - ours) <= 0.02 and abs(ours - plain) >= 0.1
 
 
+def _yarn_drafter(folder: Path) -> Path:
+    """The embedded drafter with YaRN RoPE scaling (gpt-oss EAGLE-3 drafters' kind; factor 16 over an original
+    context of 32 so that these short prompts feel it: at 4 prompts x 64 tokens, K=3, tau 1.6178 -> 1.5875)."""
+    source = Path(embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False))
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "truncate": False, "original_max_position_embeddings": 32}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_yarn_drafter_is_served_as_the_reference_decoder_runs_it(target, baseline, tmp_path):
+    """A YaRN-RoPE drafter before conversion (vLLM's own EAGLE-3 class) and after (the plugin, SVD at rank 432 over the
+    draft vocabulary): vLLM must accept at each draft position exactly what the reference decoder accepts (they
+    agreed on every count), keep the greedy output and serve the converted head; the reference's counts differ from
+    the drafter's without YaRN. Catches a YaRN frequency ramp that differs from vLLM's and a conversion that drops
+    rope_scaling (vLLM would then run plain RoPE). The attention factor (1.28 here) moves no argmax of this drafter
+    (even at 2.0): its value and its use are checked against transformers and speculators instead
+    (tests/unit/test_model.py, tests/integration/test_model_reference.py)."""
+    from slimspec.evaluate.acceptance import evaluate
+
+    source = _yarn_drafter(tmp_path / "yarn")
+    converted = slimspec.convert(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
+                                 out=tmp_path / "converted", progress=False).out
+    prompts = _prompts()[:4]
+    plain = evaluate(embedded.EMBEDDED_DRAFTER, embedded.EMBEDDED_TARGET, num_prompts=len(prompts),
+                     max_new_tokens=MAX_NEW_TOKENS, draft_tokens=DRAFT_TOKENS, progress=False)
+    for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):
+        report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head"])
+        assert report["ok"], report
+        assert report["draft_model_class"] == served_class
+        assert report["outputs"] == baseline["outputs"][:len(prompts)], "speculation changed the greedy output"
+        _head_ok(report)
+        ours = evaluate(str(drafter), embedded.EMBEDDED_TARGET, num_prompts=len(prompts), max_new_tokens=MAX_NEW_TOKENS,
+                        draft_tokens=DRAFT_TOKENS, progress=False)
+        spec = report["spec_decode"]
+        print(f"\n[vllm] YaRN {drafter.name}: vLLM tau {report['tau']:.4f} {spec['accepted_per_pos']} in "
+              f"{spec['num_drafts']} rounds, reference {ours['tau']:.4f} {ours['acceptance_per_position']} in "
+              f"{ours['rounds']}; without YaRN {plain['tau']:.4f}")
+        assert spec["num_drafts"] == ours["rounds"]
+        assert spec["accepted_per_pos"] == [round(a * ours["rounds"]) for a in ours["acceptance_per_position"]]
+        if drafter == source:
+            assert ours["acceptance_per_position"] != plain["acceptance_per_position"], "YaRN changed nothing"
+
+
 _SERVED_FLAGS = """
 import json, sys
 from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
