@@ -498,22 +498,18 @@ def _parallel_drafter(folder: Path, token: int = 2) -> Path:
     return folder
 
 
-def test_parallel_drafter_is_served_as_the_reference_decoder_runs_it(target, baseline, tmp_path):
-    """A P-EAGLE drafter before conversion (vLLM's EAGLE-3 class with parallel_drafting) and after (the plugin, SVD at
-    rank 432 over the draft vocabulary): vLLM must accept at each draft position exactly what the reference decoder's
-    one-pass drafts get accepted (they agreed on every count: 72 of 181 rounds at position 1, none after, for the
-    source; drafted as a chain, the same drafter gets 1.62), keep the greedy output and serve the converted head.
-    Catches a conversion that drops mask_hidden or its token (vLLM then refuses parallel drafting), a reference
-    decoder that drafts a P-EAGLE drafter as a chain, and ``evaluate_vllm`` not asking vLLM for parallel drafting."""
+def _served_counts_as_the_reference(target, baseline, source: Path, tmp_path: Path, label: str, prompts: list[str],
+                                    args: tuple[str, ...] = (), note: str = "") -> list[tuple[Path, dict, dict]]:
+    """``source`` and its conversion (SVD at rank 432 over the draft vocabulary) served by vLLM (its own EAGLE-3 class,
+    then the plugin), each lossless and serving the checkpoint's head, and accepted at each draft position in
+    exactly the rounds and counts of the reference decoder. Returns (drafter, vLLM report, reference report)."""
     from slimspec.evaluate.acceptance import evaluate
 
-    source = _parallel_drafter(tmp_path / "p-eagle")
     converted = slimspec.convert(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
                                  out=tmp_path / "converted", progress=False).out
-    prompts = _prompts()[:4]
-    chain = _check(target, drafter=source, prompts=prompts)
+    runs = []
     for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):
-        report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head", "--parallel-drafting"])
+        report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head", *args])
         assert report["ok"], report
         assert report["draft_model_class"] == served_class
         assert report["outputs"] == baseline["outputs"][:len(prompts)], "speculation changed the greedy output"
@@ -521,12 +517,30 @@ def test_parallel_drafter_is_served_as_the_reference_decoder_runs_it(target, bas
         ours = evaluate(str(drafter), embedded.EMBEDDED_TARGET, num_prompts=len(prompts), max_new_tokens=MAX_NEW_TOKENS,
                         draft_tokens=DRAFT_TOKENS, progress=False)
         spec = report["spec_decode"]
-        print(f"\n[vllm] P-EAGLE {drafter.name}: vLLM tau {report['tau']:.4f} {spec['accepted_per_pos']} in "
+        print(f"\n[vllm] {label} {drafter.name}: vLLM tau {report['tau']:.4f} {spec['accepted_per_pos']} in "
               f"{spec['num_drafts']} rounds, reference {ours['tau']:.4f} {ours['acceptance_per_position']} in "
-              f"{ours['rounds']}; as a chain in vLLM: {chain['tau']:.4f}")
+              f"{ours['rounds']}{note}")
         assert spec["num_drafts"] == ours["rounds"]
         assert spec["accepted_per_pos"] == [round(a * ours["rounds"]) for a in ours["acceptance_per_position"]]
+        runs.append((drafter, report, ours))
+    return runs
+
+
+def test_parallel_drafter_is_served_as_the_reference_decoder_runs_it(target, baseline, tmp_path):
+    """A P-EAGLE drafter before conversion (vLLM's EAGLE-3 class with parallel_drafting) and after (the plugin, SVD at
+    rank 432 over the draft vocabulary): vLLM must accept at each draft position exactly what the reference decoder's
+    one-pass drafts get accepted (they agreed on every count: 72 of 181 rounds at position 1, none after, for the
+    source; drafted as a chain, the same drafter gets 1.62), keep the greedy output and serve the converted head.
+    Catches a conversion that drops mask_hidden or its token (vLLM then refuses parallel drafting), a reference
+    decoder that drafts a P-EAGLE drafter as a chain, and ``evaluate_vllm`` not asking vLLM for parallel drafting."""
+    source = _parallel_drafter(tmp_path / "p-eagle")
+    prompts = _prompts()[:4]
+    chain = _check(target, drafter=source, prompts=prompts)
+    runs = _served_counts_as_the_reference(target, baseline, source, tmp_path, "P-EAGLE", prompts,
+                                           ("--parallel-drafting",), f"; as a chain in vLLM: {chain['tau']:.4f}")
+    for _, report, _ in runs:
         assert report["tau"] > 1.2 and chain["tau"] - report["tau"] > 0.05
+    converted, report, _ = runs[-1]
     served = evaluate_vllm(converted, target, prompts=prompts, max_new_tokens=MAX_NEW_TOKENS,
                            draft_tokens=DRAFT_TOKENS, temperature=0.0)
     assert served["tau"] == report["tau"], "evaluate_vllm did not draft the P-EAGLE drafter in one pass"
@@ -591,27 +605,13 @@ def test_yarn_drafter_is_served_as_the_reference_decoder_runs_it(target, baselin
     from slimspec.evaluate.acceptance import evaluate
 
     source = _yarn_drafter(tmp_path / "yarn")
-    converted = slimspec.convert(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
-                                 out=tmp_path / "converted", progress=False).out
     prompts = _prompts()[:4]
     plain = evaluate(embedded.EMBEDDED_DRAFTER, embedded.EMBEDDED_TARGET, num_prompts=len(prompts),
                      max_new_tokens=MAX_NEW_TOKENS, draft_tokens=DRAFT_TOKENS, progress=False)
-    for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):
-        report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head"])
-        assert report["ok"], report
-        assert report["draft_model_class"] == served_class
-        assert report["outputs"] == baseline["outputs"][:len(prompts)], "speculation changed the greedy output"
-        _head_ok(report)
-        ours = evaluate(str(drafter), embedded.EMBEDDED_TARGET, num_prompts=len(prompts), max_new_tokens=MAX_NEW_TOKENS,
-                        draft_tokens=DRAFT_TOKENS, progress=False)
-        spec = report["spec_decode"]
-        print(f"\n[vllm] YaRN {drafter.name}: vLLM tau {report['tau']:.4f} {spec['accepted_per_pos']} in "
-              f"{spec['num_drafts']} rounds, reference {ours['tau']:.4f} {ours['acceptance_per_position']} in "
-              f"{ours['rounds']}; without YaRN {plain['tau']:.4f}")
-        assert spec["num_drafts"] == ours["rounds"]
-        assert spec["accepted_per_pos"] == [round(a * ours["rounds"]) for a in ours["acceptance_per_position"]]
-        if drafter == source:
-            assert ours["acceptance_per_position"] != plain["acceptance_per_position"], "YaRN changed nothing"
+    runs = _served_counts_as_the_reference(target, baseline, source, tmp_path, "YaRN", prompts,
+                                           note=f"; without YaRN {plain['tau']:.4f}")
+    _, _, ours = runs[0]
+    assert ours["acceptance_per_position"] != plain["acceptance_per_position"], "YaRN changed nothing"
 
 
 _SERVED_FLAGS = """
