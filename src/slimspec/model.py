@@ -212,9 +212,15 @@ def check_buildable(cfg: DrafterConfig) -> None:
     """Raise the one-line ``CheckpointError`` that building an :class:`Eagle3Drafter` for ``cfg`` would (RoPE
     scaling, activation), before any costly work (a target's download) is done for it."""
     rope_parameters(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+    activation(cfg)
+
+
+def activation(cfg: DrafterConfig):
+    """The MLP's activation function, or the one-line ``CheckpointError`` for one it does not know."""
     if cfg.hidden_act not in ACTIVATIONS:
         raise CheckpointError(f"the drafter's activation {cfg.hidden_act!r} is not supported "
                               f"(only {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[cfg.hidden_act]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -274,8 +280,7 @@ class Eagle3Attention(nn.Module):
 class Eagle3MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
-        check_buildable(cfg)
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.act = activation(cfg)  # the RoPE check is the drafter's own (once, not per layer)
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)

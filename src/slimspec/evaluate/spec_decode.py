@@ -78,7 +78,6 @@ class SpeculativeDecoder:
         eos = eos_token_id if eos_token_id is not None else target.config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.generator = torch.Generator().manual_seed(seed)  # CPU draws (see the module docstring)
-        self.vocab = int(target.config.vocab_size)
         self.device = next(target.parameters()).device
         if drafter.fc.weight.device != self.device:
             raise ValueError(f"the drafter is on {drafter.fc.weight.device}, the target on {self.device}: "
