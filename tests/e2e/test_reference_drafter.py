@@ -61,4 +61,7 @@ def test_name_works_as_a_drafter_id_without_target(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["rank"] == 72 and report["head_vocab"] == 8192
-    assert torch.load(embedded.resolve_embedded(NAME) / "pytorch_model.bin", weights_only=True)["d2t"].numel() == 8192
+    from safetensors.torch import load_file
+
+    d2t = load_file(embedded.resolve_embedded(NAME) / "model.safetensors")["d2t"]
+    assert d2t.dtype == torch.int64 and d2t.numel() == 8192

@@ -46,7 +46,7 @@ def test_reference_drafter_resolves_to_the_packaged_folder(monkeypatch: pytest.M
 
     folder = resolve_embedded(EMBEDDED_DRAFTER)
     assert folder == Path(slimspec.__file__).parent / "data" / "smollm2-135m-eagle3"
-    assert (folder / "config.json").is_file() and (folder / "pytorch_model.bin").is_file()
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
     monkeypatch.setattr("slimspec.embedded.REFERENCE_DRAFTER_DIR", "not-there")
     with pytest.raises(FileNotFoundError, match="missing from this install") as info:
         resolve_embedded(EMBEDDED_DRAFTER)
