@@ -112,7 +112,7 @@ def bench_distill_starts(steps: int = 60) -> list[str]:
     """Issue 3: which start of the stitched full-vocab head distils best (step-0 KL, KL after N steps)."""
     import tempfile
 
-    from slimspec.convert.pipeline import convert
+    from slimspec.workflows.convert import convert_drafter
     from slimspec.distill.pipeline import DataOptions
     from slimspec.distill.train import DistillConfig
 
@@ -120,7 +120,7 @@ def bench_distill_starts(steps: int = 60) -> list[str]:
     rows = []
     for stitch, init in (("target", "svd"), ("zero", "svd"), ("scaled", "svd"), ("target", "whitened")):
         with tempfile.TemporaryDirectory() as tmp:
-            res = convert(drafter, "embedded:smollm2-135m", "d/8", out=Path(tmp) / "o", stitch=stitch, init=init,
+            res = convert_drafter(drafter, "embedded:smollm2-135m", "d/8", out=Path(tmp) / "o", stitch=stitch, init=init,
                           distill_steps=steps, progress=False,
                           data_options=DataOptions(responses="regenerate", max_new_tokens=64),
                           distill_config=DistillConfig(batch_tokens=2048, warmup_steps=5))
@@ -183,7 +183,8 @@ TARGET = "embedded:smollm2-135m"
 def bench_plane() -> list[str]:
     """Issues 4 and 5: the acceptance-cost plane of the reference drafter (SlimSpec d/2..d/16 over the full
     and the draft vocabulary, each briefly distilled; VocabTrim and FR-Spec trims)."""
-    from slimspec.evaluate.plane import build_plane, plane_report
+    from slimspec.workflows.plane import build_plane
+    from slimspec.evaluate.plane import plane_report
 
     out = ROOT / "out" / "bench-plane"
     points = build_plane(REFERENCE, TARGET, out, ranks=("d/2", "d/4", "d/8", "d/16"), vocabs=("full", "draft"),
@@ -212,7 +213,7 @@ def bench_decode() -> list[str]:
     distillation), reference decoder and vLLM side by side."""
     import tempfile
 
-    from slimspec.distill.pipeline import BRIEF_RECIPES, convert_briefly
+    from slimspec.workflows.recipes import BRIEF_RECIPES, convert_briefly
     from slimspec.evaluate.acceptance import evaluate
 
     rows = []
@@ -255,7 +256,7 @@ def bench_teacher(num_prompts: int = 128, new_tokens: int = 128) -> list[str]:
     """Teacher data for distillation, both engines side by side: answers + features, tokens/s, answer agreement."""
     import tempfile
 
-    from slimspec.distill.prompts import load_prompts
+    from slimspec.prompts import load_prompts
     from slimspec.distill.teacher import TeacherSettings, build_teacher_data
     from slimspec.embedded import embedded_target_path
 
@@ -315,7 +316,7 @@ def bench_teacher_rebuild(num_prompts: int = 128, new_tokens: int = 128, batch: 
 
     import slimspec.distill.static_decode as sd
     from slimspec.distill.answers import answers_of_cache, save_answers
-    from slimspec.distill.prompts import load_prompts
+    from slimspec.prompts import load_prompts
     from slimspec.distill.teacher import TeacherSettings, build_teacher_data
     from slimspec.embedded import embedded_target_path
 
@@ -379,7 +380,7 @@ def bench_generation_dtype(num_prompts: int = 32, new_tokens: int = 64) -> list[
     measurement behind ``slimspec.hardware.default_generation_dtype`` (bf16 only with native bf16 instructions)."""
     import tempfile
 
-    from slimspec.distill.prompts import load_prompts
+    from slimspec.prompts import load_prompts
     from slimspec.distill.teacher import TeacherSettings, build_teacher_data
     from slimspec.embedded import embedded_target_path
     from slimspec.hardware import _BF16_CPU_FLAGS, cpu_flags, default_generation_dtype
@@ -636,7 +637,7 @@ def bench_teacher_table(repeats: int = 5, table_rows: int = 4096) -> list[str]:
         f"One step of the demo's brief distillation at d/8 ({batch} positions x {k} TTT steps, draft vocab {vocab}, "
         f"rank {rank}; teacher: the source head [{vocab}, {d + 1}] on the student's frozen states), forward + "
         f"backward, median of {repeats}, interleaved; CPU: {_cpu_name()}. With frozen features the teacher's "
-        "log-probabilities of each (row, TTT step) never change: `distill_drafter` computes them once into a table "
+        "log-probabilities of each (row, TTT step) never change: `train_drafter` computes them once into a table "
         "(`slimspec.distill.teacher_table`, float32 where it fits a third of the free memory, else float16) and "
         "each step copies out, per TTT step, only the rows it keeps, and skips the teacher's log-sum-exp (the "
         "table holds normalised log-probabilities); both gathers are timed. Same loss up to the table's rounding.",

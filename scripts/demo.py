@@ -26,8 +26,8 @@ PLANE_BUDGET_S = 12 * 60
 
 def main() -> int:
     from slimspec import embedded
-    from slimspec.distill.pipeline import BRIEF_DISTILL_STEPS, brief_command, brief_distillation, convert_briefly
-    from slimspec.distill.teacher import load_target_model
+    from slimspec.workflows.recipes import BRIEF_DISTILL_STEPS, brief_command, brief_distillation, convert_briefly
+    from slimspec.checkpoint.target_model import load_target_model
     from slimspec.evaluate.acceptance import evaluate, load_for_eval, record_tau
     from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
     from slimspec.hardware import resolve_device
@@ -101,7 +101,8 @@ def main() -> int:
 def print_plane(drafter: str, target: str, ev: dict, lat: dict, report: dict, out: Path, kappa: float,
                 args: argparse.Namespace, calibration_prompts: int | None) -> None:
     """The acceptance-cost plane: this conversion next to VocabTrim/FR-Spec 4096 measured the same way."""
-    from slimspec.evaluate.plane import PlanePoint, build_plane, plane_table, plot_plane
+    from slimspec.evaluate.plane import PlanePoint, plane_table, plot_plane
+    from slimspec.workflows.plane import build_plane
 
     print("[demo] acceptance-cost plane: trimming baselines at the same settings ...", file=sys.stderr)
     points = build_plane(drafter, target, OUT / "plane", ranks=(), trim_sizes=(4096,),

@@ -100,16 +100,10 @@ def main() -> int:
     from slimspec.checkpoint.target import load_target_head
     from slimspec.convert.factorize import factorize, factorize_whitened
     from slimspec.convert.pipeline import stitched_head
-    from slimspec.distill.pipeline import (
-        DataOptions,
-        activation_covariance,
-        distill_teacher_head,
-        drafter_model,
-        load_target_parts,
-        lowrank_checkpoint,
-        teacher_for,
-    )
-    from slimspec.distill.train import DistillConfig, distill_drafter, split_sequences, student_features
+    from slimspec.distill.pipeline import DataOptions, activation_covariance, distill_teacher_head, lowrank_checkpoint, teacher_for
+    from slimspec.model import drafter_model
+    from slimspec.checkpoint.target_model import load_target_parts
+    from slimspec.distill.train import DistillConfig, train_drafter, split_sequences, student_features
     from slimspec.model import LowRankHead
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -177,7 +171,7 @@ def main() -> int:
             return feats
 
         train_module.student_features = focused
-    result = distill_drafter(drafter, train, distill_teacher_head(ckpt, drafter, parts, args.teacher), cfg,
+    result = train_drafter(drafter, train, distill_teacher_head(ckpt, drafter, parts, args.teacher), cfg,
                              progress=True)
     afters, by_set = {}, {}
     for name, data in eval_sets.items():

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import slimspec.distill.pipeline as pipeline
     import slimspec.distill.train as train
-    from slimspec.convert.pipeline import convert
+    from slimspec.workflows.convert import convert_drafter
     from slimspec.distill.teacher import load_teacher_data, teacher_cache_root
     from slimspec.hub import resolve_model
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     fused_kl, features, kl_terms = train.full_vocab_kl, train.student_features, train.kl_terms
     covariance = pipeline.activation_covariance
     table = train.frozen_teacher_table
-    distill = pipeline.distill_drafter
+    distill = pipeline.train_drafter
     trainable = train.trainable_parameters
     for variant in json.loads(args.variants):
         v = dict(variant)
@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         train.frozen_teacher_table = (lambda *a, **k: None) if loss == "reverse" or noise is not None else table
         train.student_features = ((lambda *a, all_positions=False, **k: features(*a, **k)) if answers_only
                                   else features)
-        pipeline.distill_drafter = focused(distill, focus) if focus is not None else distill
+        pipeline.train_drafter = focused(distill, focus) if focus is not None else distill
         if tied:
-            pipeline.distill_drafter = tied_up(pipeline.distill_drafter)
+            pipeline.train_drafter = tied_up(pipeline.train_drafter)
         options, cfg = pipeline.brief_distillation(None, teacher)
         options, cfg = dataclasses.replace(options, **data_overrides), dataclasses.replace(cfg, **v)
         pipeline.teacher_for = brief_teacher
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             pipeline.teacher_for = lambda *a, data=data, n=int(subset[1]), **k: data.subset(list(range(n)))
         started = time.perf_counter()
         out = args.work / name
-        report = convert(source, TARGET, rank, vocab="draft", out=out, overwrite=True, progress=False, init=init,
+        report = convert_drafter(source, TARGET, rank, vocab="draft", out=out, overwrite=True, progress=False, init=init,
                          distill_steps=cfg.steps, data_options=options, distill_config=cfg).report
         row = measure(str(out.resolve()))
         distilled = report["distill"]
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         record(row)
         if toward_start:
             start = args.work / f"{name}-start"
-            convert(source, TARGET, rank, vocab="draft", out=start, overwrite=True, progress=False, init="whitened",
+            convert_drafter(source, TARGET, rank, vocab="draft", out=start, overwrite=True, progress=False, init="whitened",
                     distill_steps=0, data_options=options, distill_config=cfg)
             for alpha in toward_start:
                 mixed = interpolate_heads(out, start, alpha, args.work / f"{name}-toward{alpha:g}")
@@ -176,8 +176,8 @@ def only_factor(trainable_parameters, factor: str):
     return params
 
 
-def tied_up(distill_drafter):
-    """``distill_drafter`` training ``W_up = U C`` with ``U`` an orthonormal basis of the source head's columns
+def tied_up(train_drafter):
+    """``train_drafter`` training ``W_up = U C`` with ``U`` an orthonormal basis of the source head's columns
     (``[V, d]``, fixed) and ``C`` (``[d, r]``) free: the logits stay in the source head's column space, which holds
     the whitened start exactly, and the head trains ``d r + r d`` weights instead of ``V r + r d``."""
     import torch
@@ -210,7 +210,7 @@ def tied_up(distill_drafter):
             up, down = balance_factors(head.up.float(), head.down.float())
             basis = torch.linalg.svd(teacher_head[:, :-1].float(), full_matrices=False)[0]
         drafter.lm_head = TiedUpHead(basis.to(up.device), up, down)
-        return distill_drafter(drafter, teacher, teacher_head, cfg, **kwargs)
+        return train_drafter(drafter, teacher, teacher_head, cfg, **kwargs)
 
     return run
 
@@ -268,8 +268,8 @@ def draft_labeler(drafter, teacher):
     return labels
 
 
-def focused(distill_drafter, focus):
-    """``train.distill_drafter`` whose training rows weigh 1 where the source head's argmax is the token the
+def focused(train_drafter, focus):
+    """``train.train_drafter`` whose training rows weigh 1 where the source head's argmax is the token the
     target wrote next and ``focus`` (a float) elsewhere: a greedy verifier accepts a draft only there, so a head
     short of rank may spend it on those rows. ``focus = "soft"``: weight = the source's probability of that
     token. The held-out KL keeps its plain weights."""
@@ -303,7 +303,7 @@ def focused(distill_drafter, focus):
 
         train.student_features = weighted
         try:
-            return distill_drafter(drafter, teacher, teacher_head, cfg, **kwargs)
+            return train_drafter(drafter, teacher, teacher_head, cfg, **kwargs)
         finally:
             train.student_features = features
 

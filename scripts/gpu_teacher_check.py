@@ -71,7 +71,7 @@ def main() -> int:
     import torch
 
     import slimspec.distill.teacher as teacher
-    from slimspec.distill.prompts import Prompt
+    from slimspec.prompts import Prompt
     from slimspec.distill.teacher import TeacherSettings, build_teacher_data
     seen: set[str] = set()  # "features@device" / "answers@device dtype" of the target's calls in one build
     forward, answer = teacher._features, teacher._generate

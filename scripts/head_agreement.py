@@ -30,9 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from slimspec.checkpoint import load_drafter
-    from slimspec.distill.pipeline import DataOptions, drafter_model, load_target_parts, teacher_for
+    from slimspec.distill.pipeline import DataOptions, teacher_for
+    from slimspec.model import drafter_model
+    from slimspec.checkpoint.target_model import load_target_parts
     from slimspec.distill.train import student_features
-    from slimspec.evaluate.acceptance import target_of
+    from slimspec.checkpoint.target_model import target_of
     from slimspec.hub import resolve_model
 
     def model_of(drafter: str):

@@ -40,16 +40,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from slimspec.checkpoint import load_drafter
     from slimspec.convert.factorize import factorize
-    from slimspec.distill.pipeline import (
-        activation_covariance,
-        brief_distillation,
-        drafter_model,
-        load_target_parts,
-        lowrank_checkpoint,
-        teacher_for,
-    )
+    from slimspec.distill.pipeline import activation_covariance, lowrank_checkpoint, teacher_for
+    from slimspec.workflows.recipes import brief_distillation
+    from slimspec.model import drafter_model
+    from slimspec.checkpoint.target_model import load_target_parts
     from slimspec.distill.train import split_sequences, student_features
-    from slimspec.evaluate.acceptance import target_of
+    from slimspec.checkpoint.target_model import target_of
     from slimspec.hub import resolve_model
 
     ckpt = load_drafter(resolve_model(args.drafter, "drafter"))

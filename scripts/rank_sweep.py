@@ -48,7 +48,7 @@ class VllmTau:
 
     def __init__(self) -> None:
         from slimspec import embedded
-        from slimspec.evaluate.acceptance import eval_prompts
+        from slimspec.prompts import eval_prompts
 
         s = self.settings = SETTINGS["vllm"]
         self.target = embedded.embedded_target_path(progress=False)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON written after each rank")
     args = parser.parse_args(argv)
 
-    from slimspec.distill.pipeline import convert_briefly
+    from slimspec.workflows.recipes import convert_briefly
     from slimspec.errors import SlimSpecError
     from slimspec.hub import resolve_model
 

@@ -81,5 +81,5 @@ def tiny_converted(tiny_target, tmp_path):
     import slimspec
 
     write_drafter(tmp_path / "drafter", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32))
-    return slimspec.convert(str(tmp_path / "drafter"), str(tiny_target), 8, out=tmp_path / "converted",
+    return slimspec.convert_drafter(str(tmp_path / "drafter"), str(tiny_target), 8, out=tmp_path / "converted",
                             progress=False).out

@@ -1,9 +1,8 @@
 """SlimSpec: low-rank LM heads for published EAGLE-3 drafters.
 
-Python API: ``slimspec.convert(drafter, target, rank="d/8", **options)``,
-``slimspec.convert_briefly(drafter, target, rank, out)`` (with the demo's brief distillation) and
-``slimspec.factorize(weight, rank)``. Importing ``slimspec`` is light: it imports neither vLLM nor
-Triton, and the heavy pieces load on first use.
+The Python API: ``convert_drafter``, ``convert_briefly`` (with the demo's brief distillation), ``distill_drafter``,
+``evaluate_drafter``, ``push`` and ``factorize``. Importing ``slimspec`` is light (no torch, vLLM or Triton): each
+function loads its workflow on first use.
 """
 
 from __future__ import annotations
@@ -13,21 +12,21 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "convert", "convert_briefly", "distill", "evaluate", "factorize", "push"]
-
-_FUNCTIONS = {
+API = {
+    "convert_drafter": ("slimspec.workflows.convert", "convert_drafter"),
+    "convert_briefly": ("slimspec.workflows.recipes", "convert_briefly"),
+    "distill_drafter": ("slimspec.distill.pipeline", "distill"),
+    "evaluate_drafter": ("slimspec.evaluate.acceptance", "evaluate"),
+    "push": ("slimspec.workflows.publish", "push"),
     "factorize": ("slimspec.convert.factorize", "factorize"),
-    "convert_briefly": ("slimspec.distill.pipeline", "convert_briefly"),
-    "push": ("slimspec.publish", "push"),
 }
-_CALLABLE_PACKAGES = ("convert", "distill", "evaluate")
-"""Packages that are the function of their name too: importing one binds it on slimspec anyway."""
+"""Each public function: the module that defines it and its name there."""
+
+__all__ = ["__version__", *API]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _CALLABLE_PACKAGES:
-        return importlib.import_module(f"slimspec.{name}")
-    if name in _FUNCTIONS:
-        module, attr = _FUNCTIONS[name]
+    if name in API:
+        module, attr = API[name]
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'slimspec' has no attribute {name!r}")

@@ -6,12 +6,36 @@ import json
 import os
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import click
+import torch
+import torch.distributed as dist
 
-from slimspec import __version__, choices
+from slimspec import __version__, choices, embedded
+from slimspec.checkpoint import load_drafter
+from slimspec.checkpoint.files import read_json
+from slimspec.checkpoint.target_model import load_target_model, target_of
+from slimspec.checkpoint.writer import nearest_existing_parent
+from slimspec.convert.pipeline import ConvertResult, model_name
+from slimspec.convert.rank import RankError, parse_rank
+from slimspec.distill.pipeline import DataOptions
+from slimspec.distill.pipeline import distill as run_distill
+from slimspec.distill.scratch import train_from_scratch
+from slimspec.distill.train import DistillConfig
 from slimspec.errors import SlimSpecError, SlimSpecWarning
+from slimspec.evaluate.acceptance import evaluate, load_for_eval
+from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
+from slimspec.evaluate.plane import plane_report
+from slimspec.hardware import resolve_device
+from slimspec.hub import HUB_ID, resolve_model
+from slimspec.inspection import inspect_drafter
+from slimspec.workflows.batch import run_batch
+from slimspec.workflows.convert import convert_drafter as run_convert
+from slimspec.workflows.plane import build_plane, convert_rank_auto
+from slimspec.workflows.publish import push as run_push
+from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_command, brief_keys
 
 
 class FiniteFloat(click.FloatRange):
@@ -150,9 +174,6 @@ def _int_list(text: str, hint: str) -> list[int]:
 
 
 def _data_and_config(kw: dict, steps: int):
-    from slimspec.distill.pipeline import DataOptions
-    from slimspec.distill.train import DistillConfig
-
     aux = _int_list(kw.pop("aux_layers"), "--aux-layers") if kw.get("aux_layers") else None
     options = DataOptions(data=list(kw.pop("data")) or None, num_prompts=kw.pop("num_prompts"),
                           responses=kw.pop("responses"), max_new_tokens=kw.pop("max_new_tokens"),
@@ -162,7 +183,6 @@ def _data_and_config(kw: dict, steps: int):
                           engine=kw.pop("generation_engine"),
                           generation_dtype=None if (g := kw.pop("generation_dtype")) == "auto" else g,
                           device=kw.pop("device"))
-    from slimspec.hardware import resolve_device
 
     resolve_device(options.device)  # an unusable --device fails now, not after the conversion's first stages
     cfg = DistillConfig(steps=steps, ttt_steps=kw.pop("ttt_steps"), lr=kw.pop("lr"),
@@ -182,8 +202,6 @@ def _given_options(ctx: click.Context, wanted) -> list[click.Parameter]:
 
 
 def _is_local(name: str) -> bool:
-    from slimspec import embedded
-
     return embedded.is_embedded(name) or Path(name).expanduser().exists()
 
 
@@ -219,8 +237,6 @@ def _refuse_unused_convert_options(ctx: click.Context, drafter: str, target: str
     if target_revision and target and _is_local(target):
         raise click.UsageError(f"--target-revision pins a Hub target; {target} is local")
     if push_to:
-        from slimspec.hub import HUB_ID
-
         if not HUB_ID.match(push_to):
             raise click.UsageError(f"--push-to {push_to!r} is not a Hub repo id (owner/name)")
 
@@ -277,11 +293,8 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
       slimspec convert yuhuili/EAGLE3-LLaMA3.1-Instruct-8B \\
           --target meta-llama/Llama-3.1-8B-Instruct --rank d/8
     """
-    from slimspec.convert.pipeline import convert as run_convert
-
     ctx = click.get_current_context()
     if recipe is not None and rank != "auto":  # --rank auto refuses it below, with the options its recipe ignores
-        from slimspec.distill.pipeline import brief_keys
 
         for key, value in brief_keys(drafter, target).items():
             if _given(ctx, key):
@@ -296,10 +309,6 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
     _refuse_unread_data_options(ctx, rank, init, distill_steps)
     options, cfg = _data_and_config(kw, distill_steps)
     if rank == "auto":
-        from slimspec.convert.pipeline import ConvertResult, model_name
-        from slimspec.evaluate.acceptance import target_of
-        from slimspec.evaluate.plane import convert_rank_auto
-
         fixed = [p.opts[0] for p in _given_options(ctx, lambda name: name not in RANK_AUTO_OPTIONS)]
         if fixed:
             raise click.UsageError(f"--rank auto runs the plane's own recipe (drafter teacher, shipped calibration "
@@ -319,15 +328,11 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
                              distill_steps=distill_steps, data_options=options, distill_config=cfg)
     report = {"out": str(result.out), **result.report}
     if "distill" not in report:
-        from slimspec.distill.pipeline import UNDISTILLED_EXAMPLE, brief_command
-
         warnings.warn(f"{result.out} is not distilled: a conversion without --distill-steps can lose most of the "
                       f"drafter's acceptance ({UNDISTILLED_EXAMPLE}). The demo's brief distillation: add "
                       f"--recipe brief, that is {brief_command(drafter, str(result.rank))}", SlimSpecWarning,
                       stacklevel=1)
     if push_to:
-        from slimspec.publish import push as run_push
-
         try:
             plan = run_push(result.out, push_to)
         except SlimSpecError as exc:  # the conversion is done: say where it is and how to push it alone
@@ -407,8 +412,6 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
     Teacher data (target features and final hidden states on prompt + answer) is cached on disk, so
     repeated runs skip the target. Works under torchrun (gloo) for data parallelism.
     """
-    from slimspec.distill.pipeline import distill as run_distill
-
     ctx = click.get_current_context()
     if not from_scratch:
         scratch_only = [p.opts[0] for p in _given_options(ctx, {"draft_vocab", "head_rank", "layers"}.__contains__)]
@@ -423,8 +426,6 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
     cfg.train_backbone, cfg.backbone_lr, cfg.save_every = train_backbone, backbone_lr, save_every
     _init_distributed()
     if from_scratch:
-        from slimspec.distill.scratch import train_from_scratch
-
         if checkpoint is not None or target is None or out is None:
             raise click.UsageError("--from-scratch takes no CHECKPOINT and needs --target and --out")
         path, result = train_from_scratch(target, out, draft_vocab=draft_vocab, rank=head_rank, num_layers=layers,
@@ -436,7 +437,6 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
         path, result = run_distill(checkpoint, target, out=out, overwrite=overwrite or resume, config=cfg,
                                    data_options=options, resume=resume, progress=not quiet)
     summary = {"out": str(path), **result.summary()}
-    import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:
         return
@@ -463,13 +463,8 @@ def _kl_text(value: float | None) -> str:
 
 def _init_distributed() -> None:
     """Join a torchrun process group (gloo: CPU) when launched by torchrun."""
-    import os
-
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import torch.distributed as dist
-
         if not dist.is_initialized():  # other ranks wait while rank 0 builds the teacher data: hours, not 30 min
-            from datetime import timedelta
 
             dist.init_process_group("gloo", timeout=timedelta(hours=8))
 
@@ -487,8 +482,6 @@ def push(folder: Path, repo_id: str, private: bool, revision: str | None, commit
 
     The token comes from HF_TOKEN or the saved `hf auth login`; it is never printed or written.
     """
-    from slimspec.publish import push as run_push
-
     plan = run_push(folder, repo_id, private=private, revision=revision, commit_message=commit_message,
                     dry_run=dry_run)
     _print_push(plan, dry_run)
@@ -527,8 +520,6 @@ def batch(manifest: Path, continue_on_error: bool, report: Path | None) -> None:
     replaced (any other existing folder only with overwrite: true; never the drafter's own);
     outputs are written atomically, so a killed batch can simply be run again. Exit code 1 when any job failed.
     """
-    from slimspec.batch import run_batch
-
     results = run_batch(manifest, continue_on_error=continue_on_error, report_path=report)
     failed = [r for r in results if r.status in ("failed", "not run")]
     if failed:
@@ -583,8 +574,6 @@ def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_
                 num_prompts: int, max_new_tokens: int, kappas: str, calibration_prompts: int, out: Path,
                 device: str, as_json: bool) -> None:
     """Points (nu, rho_tau) for the full head, SlimSpec ranks and vocabulary trims; PNG + markdown table."""
-    from slimspec.evaluate.plane import build_plane, plane_report
-    from slimspec.hardware import resolve_device
     from slimspec.plotting import pyplot
 
     pyplot()  # before the hour of measurements, not after
@@ -595,8 +584,6 @@ def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_
     curves = _number_list(kappas, float, "--kappa")
     _check_ranks(drafter, ranks.split(","))
     if target is None:
-        from slimspec.evaluate.acceptance import target_of
-
         target = target_of(drafter)
     points = build_plane(drafter, target, out, ranks=tuple(ranks.split(",")), vocabs=tuple(vocabs.split(",")),
                          trim_sizes=tuple(sizes), distill_steps=distill_steps,
@@ -618,7 +605,6 @@ def _png_path(path: Path, hint: str) -> Path:
         raise click.BadParameter(f"{path} is not a .png path (the plot is a PNG)", param_hint=hint)
     if path.is_dir():
         raise click.BadParameter(f"{path} is a folder", param_hint=hint)
-    from slimspec.checkpoint.writer import nearest_existing_parent
 
     parent = nearest_existing_parent(path)
     if not parent.is_dir():
@@ -639,12 +625,6 @@ def _number_list(text: str, kind: type, hint: str) -> list:
 
 def _check_ranks(drafter: str, ranks: list[str]) -> None:
     """Every rank spec must resolve against the drafter's hidden size before the plane spends an hour measuring."""
-    import torch
-
-    from slimspec.checkpoint import load_drafter
-    from slimspec.convert.rank import RankError, parse_rank
-    from slimspec.hub import resolve_model
-
     hidden = load_drafter(resolve_model(drafter, "drafter")).config.hidden_size
     for spec in ranks:
         try:
@@ -677,11 +657,6 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
                   source_vocab: int | None, batches: tuple[int, ...], dtypes: tuple[str, ...], with_kappa: bool,
                   target: str | None, rho_tau: float | None, device: str, as_json: bool) -> None:
     """Head latency of the low-rank head vs the full one (nu), the FLOP floor, kappa and predicted rho_TPS."""
-    import torch
-
-    from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
-    from slimspec.hardware import resolve_device
-
     where = resolve_device(device)
 
     if checkpoint and any(x is not None for x in (vocab, hidden, rank)):
@@ -691,10 +666,6 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
     if rank is not None and hidden is not None and rank >= hidden:
         raise click.BadParameter(f"{rank} is not below --hidden {hidden} (0 < r < d)", param_hint="--rank")
     if checkpoint:
-        from slimspec.checkpoint import load_drafter
-        from slimspec.checkpoint.files import read_json
-        from slimspec.hub import resolve_model
-
         folder = resolve_model(checkpoint, "drafter")
         ckpt = load_drafter(folder)
         if not ckpt.is_lowrank:
@@ -715,8 +686,6 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
     if with_kappa:
         if not checkpoint:
             raise click.UsageError("--kappa needs a CHECKPOINT")
-        from slimspec.distill.teacher import load_target_model
-        from slimspec.evaluate.acceptance import load_for_eval
 
         dtype = names[(dtypes or ("fp32",))[0]]  # the first --dtype: what the cycle is served in
         drafter, _, parts, _ = load_for_eval(checkpoint, target)
@@ -772,8 +741,6 @@ def eval_command(drafter: str, target: str | None, dataset: str, num_prompts: in
                  draft_tokens: int, temperature: float, seed: int, baseline: str | None, engine: str, device: str,
                  as_json: bool, quiet: bool) -> None:
     """Measure DRAFTER's acceptance length tau by reference speculative decoding against the target."""
-    from slimspec.evaluate.acceptance import evaluate
-
     report = evaluate(drafter, target, dataset=dataset, num_prompts=num_prompts or None,
                       max_new_tokens=max_new_tokens, draft_tokens=draft_tokens, temperature=temperature, seed=seed,
                       baseline=baseline, engine=engine, progress=not quiet, device=device)
@@ -807,8 +774,6 @@ def eval_command(drafter: str, target: str | None, dataset: str, num_prompts: in
 @click.option("--json", "as_json", is_flag=True, help="Print everything as one JSON object.")
 def inspect(drafter: str, target: str | None, plot: Path | None, as_json: bool) -> None:
     """Show DRAFTER's layout, shapes, draft vocabulary and head spectrum (energy at d/4, d/8, d/16)."""
-    from slimspec.inspection import inspect_drafter
-
     if plot is not None:
         from slimspec.plotting import pyplot
 

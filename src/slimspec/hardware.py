@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from slimspec.errors import SlimSpecError
 
 GENERATION_DTYPE_ENV = "SLIMSPEC_GENERATION_DTYPE"
@@ -56,8 +58,6 @@ def resolve_device(name: str | None = None):
     """The ``torch.device`` the teacher's target runs on: ``name`` (cpu, cuda, cuda:N), or for None/"auto"
     ``$SLIMSPEC_DEVICE`` if set, else the first CUDA GPU when PyTorch sees one, else the CPU. An unusable choice is
     a clear error, not a crash later."""
-    import torch
-
     chosen = str(name or "auto").strip().lower()
     if chosen == "auto":
         chosen = os.environ.get(DEVICE_ENV, "").strip().lower() or "auto"

@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import Literal
 
+from slimspec import embedded
+from slimspec.checkpoint.target import head_tensor_candidates, text_config
 from slimspec.errors import CheckpointError, first_line
 
 Role = Literal["drafter", "target", "model"]  # "model": a target that will run (all its weights)
@@ -35,8 +37,6 @@ def _snapshot(repo_id: str, patterns: list[str], revision: str | None) -> Path:
 
 def target_weight_patterns(folder: Path) -> list[str]:
     """The weight files of a downloaded target folder that hold its LM head or tied embedding."""
-    from slimspec.checkpoint.target import head_tensor_candidates, text_config
-
     config_path = folder / "config.json"
     config = text_config(json.loads(config_path.read_text())) if config_path.exists() else {}
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
@@ -73,8 +73,6 @@ def _snapshot_weights(repo_id: str, patterns: list[str], revision: str | None) -
 
 def resolve_model(name: str, role: Role, revision: str | None = None) -> Path:
     """Local folder for ``name``: an ``embedded:`` model, an existing folder, or a Hub id."""
-    from slimspec import embedded
-
     if embedded.is_embedded(name):
         try:
             return embedded.resolve_embedded(name)

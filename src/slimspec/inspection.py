@@ -13,14 +13,13 @@ from slimspec.convert.factorize import centered_gram, gram_matrix, squared_singu
 from slimspec.convert.pipeline import stitched_head, validate_against_target
 from slimspec.convert.rank import energy_curve
 from slimspec.errors import SlimSpecError
+from slimspec.hub import resolve_model
 
 MARKED_DIVISORS = (4, 8, 16)
 
 
 def inspect_drafter(drafter: str, target: str | None = None, plot: str | Path | None = None) -> dict[str, Any]:
     """Describe a drafter; with ``target``, also the stitched full-vocab head. Optionally plot energy."""
-    from slimspec.hub import resolve_model
-
     ckpt = load_drafter(resolve_model(drafter, "drafter"))
     cfg = ckpt.config
     if plot is not None and target is None and not ckpt.has_head:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slimspec.checkpoint.drafter import LOWRANK_DOWN, DrafterCheckpoint, DrafterConfig
+from slimspec.checkpoint.target_model import TargetParts
 from slimspec.errors import CheckpointError
 
 # (keys, values), each [B, kv_heads, S, head_dim], RoPE already applied; a multi-layer drafter's cache stacks its
@@ -560,3 +561,9 @@ class Eagle3Drafter(nn.Module):
             outputs.append(h)
             hidden = self.next_hidden(h) if slots is None else slots[1]
         return outputs
+
+
+def drafter_model(ckpt: DrafterCheckpoint, target: TargetParts) -> Eagle3Drafter:
+    """Our torch drafter for a checkpoint, with the target's embedding (and head, if it has none)."""
+    head = None if ckpt.has_head else FullHead(target.head.clone())
+    return Eagle3Drafter.from_checkpoint(ckpt, embed_weight=target.embedding, head=head)

@@ -9,8 +9,9 @@ import torch
 
 from slimspec import embedded
 from slimspec.checkpoint import load_drafter
-from slimspec.distill.teacher import _chat_ids, load_target_model
-from slimspec.evaluate.acceptance import eval_prompts, load_for_eval, target_greedy
+from slimspec.checkpoint.target_model import chat_ids, load_target_model
+from slimspec.prompts import eval_prompts
+from slimspec.evaluate.acceptance import load_for_eval, target_greedy
 from slimspec.evaluate.spec_decode import SpeculativeDecoder
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -47,7 +48,7 @@ def test_greedy_spec_decoding_reproduces_the_target() -> None:
     decoder = SpeculativeDecoder(target, drafter, layers, draft_tokens=4, eos_token_id=tokenizer.eos_token_id)
     accepted, rounds = 0, 0
     for prompt in eval_prompts("mt_bench", 3):
-        ids, _ = _chat_ids(tokenizer, prompt)
+        ids, _ = chat_ids(tokenizer, prompt)
         out, stats = decoder.generate(ids, 48)
         assert out == target_greedy(target, ids, 48, tokenizer.eos_token_id)
         accepted += stats.accepted

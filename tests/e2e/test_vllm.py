@@ -21,8 +21,8 @@ import torch
 
 import slimspec
 from slimspec import embedded
-from slimspec.distill.pipeline import convert_briefly
-from slimspec.evaluate.acceptance import eval_prompts
+from slimspec.workflows.recipes import convert_briefly
+from slimspec.prompts import eval_prompts
 from slimspec.evaluate.vllm_engine import evaluate_vllm, run_vllm_check, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -92,7 +92,7 @@ def drafters(target, tmp_path_factory) -> dict[str, Path]:
     draft = os.environ.get("SLIMSPEC_TEST_CONVERTED") or convert_briefly(
         str(original), embedded.EMBEDDED_TARGET, SERVED_RANK, tmp / "draft").out
     draft8 = convert_briefly(str(original), embedded.EMBEDDED_TARGET, "d/8", tmp / "draft8").out
-    full = slimspec.convert(str(original), embedded.EMBEDDED_TARGET, "d/8", out=tmp / "full", progress=False).out
+    full = slimspec.convert_drafter(str(original), embedded.EMBEDDED_TARGET, "d/8", out=tmp / "full", progress=False).out
     return {"original": Path(original), "full": Path(full), "draft": Path(draft), "draft8": Path(draft8)}
 
 
@@ -264,7 +264,7 @@ def constant_pair(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("constant")
     head = _constant_target(tmp / "target")
     _constant_drafter(tmp / "original", head)
-    converted = slimspec.convert(str(tmp / "original"), str(tmp / "target"), "d/8", out=tmp / "converted",
+    converted = slimspec.convert_drafter(str(tmp / "original"), str(tmp / "target"), "d/8", out=tmp / "converted",
                                  progress=False).out
     return {"target": tmp / "target", "original": tmp / "original", "converted": converted}
 
@@ -332,7 +332,7 @@ def test_draft_vocab_checkpoint_missing_d2t_is_refused(target, tmp_path):
     from safetensors.torch import load_file, save_file
 
     original = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)
-    broken = slimspec.convert(str(original), embedded.EMBEDDED_TARGET, "d/8", vocab="draft", out=tmp_path / "no-d2t",
+    broken = slimspec.convert_drafter(str(original), embedded.EMBEDDED_TARGET, "d/8", vocab="draft", out=tmp_path / "no-d2t",
                               progress=False).out
     tensors = load_file(broken / "model.safetensors")
     del tensors["d2t"]
@@ -356,7 +356,7 @@ def test_qwen3_drafter_class(tmp_path):
     write_drafter(tmp_path / "drafter", "speculators",
                   Spec(qwen3=True, vocab=len(tokenizer), draft_vocab=512, hidden=128, target_hidden=128, heads=4,
                        kv_heads=2, head_dim=32, inter=256, target_layers=8))
-    converted = slimspec.convert(str(tmp_path / "drafter"), str(target), 16, out=tmp_path / "converted",
+    converted = slimspec.convert_drafter(str(tmp_path / "drafter"), str(target), 16, out=tmp_path / "converted",
                                  progress=False).out
     report = _check(target, drafter=converted, prompts=_prompts()[:1], args=["--check-head"])
     assert report["ok"], report
@@ -446,7 +446,7 @@ def _served_before_and_after_conversion(target, baseline, source: Path, tmp_path
     reference decoder tau) for both."""
     from slimspec.evaluate.acceptance import evaluate
 
-    converted = slimspec.convert(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
+    converted = slimspec.convert_drafter(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
                                  out=tmp_path / "converted", progress=False).out
     runs = []
     for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):
@@ -505,7 +505,7 @@ def _served_counts_as_the_reference(target, baseline, source: Path, tmp_path: Pa
     exactly the rounds and counts of the reference decoder. Returns (drafter, vLLM report, reference report)."""
     from slimspec.evaluate.acceptance import evaluate
 
-    converted = slimspec.convert(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
+    converted = slimspec.convert_drafter(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
                                  out=tmp_path / "converted", progress=False).out
     runs = []
     for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):

@@ -106,7 +106,7 @@ def test_bad_manifest_is_one_line(tmp_path):
     assert result.exit_code == 2 and "unknown option(s) rnak" in result.stderr
     # an empty defaults header is a header, not a job; defaults that are not a mapping; two jobs sharing an out
     (tmp_path / "m.jsonl").write_text('{"defaults": {}}\n{"drafter": "x", "rank": 3}\n')
-    from slimspec.batch import read_manifest
+    from slimspec.workflows.batch import read_manifest
 
     assert [job["drafter"] for job in read_manifest(tmp_path / "m.jsonl")] == ["x"]
     for name, text, needle in (
@@ -170,14 +170,14 @@ def test_import_is_light_and_api_is_complete():
 
 
 def test_api_functions_stay_callable_after_their_packages_load():
-    """Catches `slimspec.evaluate(...)` (and `slimspec.distill(...)`) working once: the first call imported
+    """Catches `slimspec.evaluate_drafter(...)` (and `slimspec.distill_drafter(...)`) working once: the first call imported
     `slimspec.evaluate.acceptance`, which bound the package `slimspec.evaluate` over the function, so the README's
     pipeline loop failed on its second drafter with "'module' object is not callable"."""
     code = ("import slimspec, slimspec.evaluate.acceptance as a, slimspec.distill.pipeline as d\n"
             "a.evaluate = lambda *x, **k: ('evaluate', x, k)\n"
             "d.distill = lambda *x, **k: ('distill', x, k)\n"
-            "print([slimspec.evaluate('o', num_prompts=2), slimspec.evaluate('p'), slimspec.distill('q'), "
-            "slimspec.distill('r'), callable(slimspec.convert), slimspec.convert_briefly.__name__])")
+            "print([slimspec.evaluate_drafter('o', num_prompts=2), slimspec.evaluate_drafter('p'), slimspec.distill_drafter('q'), "
+            "slimspec.distill_drafter('r'), callable(slimspec.convert), slimspec.convert_briefly.__name__])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ("[('evaluate', ('o',), {'num_prompts': 2}), ('evaluate', ('p',), {}), ('distill', ('q',), {}), "
                    "('distill', ('r',), {}), True, 'convert_briefly']")
@@ -186,7 +186,7 @@ def test_api_functions_stay_callable_after_their_packages_load():
 def test_device_is_a_job_option_outside_the_fingerprint(tmp_path, monkeypatch):
     """Catches `device` refused in a manifest, dropped on its way to the teacher, or making a job that ran on a GPU
     run again on a CPU machine (the device does not change what a job writes)."""
-    from slimspec.batch import job_fingerprint, read_manifest
+    from slimspec.workflows.batch import job_fingerprint, read_manifest
 
     (tmp_path / "m.json").write_text(json.dumps({"defaults": {"device": "cpu"}, "jobs": [{"drafter": "x"}]}))
     job = read_manifest(tmp_path / "m.json")[0]
@@ -221,7 +221,7 @@ def test_recipe_brief_runs_the_demos_distillation(tmp_path, monkeypatch):
     target, at lr 2e-3, on 128-token answers (0.87 of the drafter teacher's result, BENCHMARKS.md), whatever the
     README recommended. `recipe: brief` must hand `convert` exactly what `convert_briefly` does, and a key the job
     or the defaults give must override the recipe's."""
-    from slimspec.distill.pipeline import convert_briefly
+    from slimspec.workflows.recipes import convert_briefly
     from slimspec.embedded import EMBEDDED_DRAFTER, EMBEDDED_TARGET
 
     seen = _captured_convert(monkeypatch)
@@ -245,7 +245,7 @@ def test_recipe_brief_runs_the_demos_distillation(tmp_path, monkeypatch):
 def test_distillation_keys_reach_the_loop_and_the_fingerprint(tmp_path, monkeypatch):
     """Catches distillation knobs a manifest could not set (teacher, lr, TTT unroll, ...), or set without effect,
     and a key at its default changing the fingerprint (finished jobs would all run again)."""
-    from slimspec.batch import job_fingerprint
+    from slimspec.workflows.batch import job_fingerprint
 
     seen = _captured_convert(monkeypatch)
     keys = {"teacher": "drafter", "lr": 1e-3, "warmup_steps": 3, "batch_tokens": 512, "ttt_steps": 2, "seed": 5,
@@ -301,7 +301,7 @@ def test_bad_job_keys_fail_before_any_job(job, needle, tmp_path):
 
 def test_defaults_serve_only_the_jobs_that_read_them(tmp_path):
     """Catches the unread-key refusal firing on a default: defaults are shared by jobs with and without steps."""
-    from slimspec.batch import read_manifest
+    from slimspec.workflows.batch import read_manifest
 
     (tmp_path / "m.json").write_text(json.dumps({"defaults": {"teacher": "drafter", "lr": 1e-3}, "jobs": [
         {"drafter": "x", "distill_steps": 3}, {"drafter": "y"}, {"drafter": "z", "init": "whitened", "ttt_steps": 2}]}))
@@ -312,7 +312,7 @@ def test_written_out_defaults_and_home_paths(tmp_path, monkeypatch):
     """Catches a finished job redone because the manifest now writes a default out (`rank: d/8`: hours for a
     distilled job), `~` taken as a folder named "~", and a glob of prompt files never checked for changes (a
     job over `data: dir/*.jsonl` was skipped after the prompts were replaced)."""
-    from slimspec.batch import inputs_identity, job_fingerprint, read_manifest
+    from slimspec.workflows.batch import inputs_identity, job_fingerprint, read_manifest
 
     plain = {"drafter": "x"}
     written = {"drafter": "x", "rank": "d/8", "vocab": "full", "stitch": "target", "init": "auto",
@@ -338,7 +338,7 @@ def test_interrupted_batch_says_what_is_kept(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("slimspec.batch.run_batch", interrupted)
+    monkeypatch.setattr("slimspec.workflows.batch.run_batch", interrupted)
     (tmp_path / "m.json").write_text("[]")
     result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.json")])
     assert result.exit_code == 2 and "finished jobs are kept" in result.stderr

@@ -133,7 +133,7 @@ def pair(tmp_path):
 def test_revisions_go_to_their_own_model(pair, tmp_path, monkeypatch):
     """Catches --revision (a drafter branch such as r512) being used to download the target too."""
     import slimspec.hub as hub
-    from slimspec.convert.pipeline import convert
+    from slimspec.workflows.convert import convert_drafter
 
     calls = []
     real = hub.resolve_model
@@ -143,7 +143,7 @@ def test_revisions_go_to_their_own_model(pair, tmp_path, monkeypatch):
         return real(name, role)
 
     monkeypatch.setattr(hub, "resolve_model", recording)
-    convert(str(pair[0]), str(pair[1]), 8, out=tmp_path / "o", revision="r1", target_revision="main", progress=False)
+    convert_drafter(str(pair[0]), str(pair[1]), 8, out=tmp_path / "o", revision="r1", target_revision="main", progress=False)
     assert calls == [(str(pair[0]), "drafter", "r1"), (str(pair[1]), "target", "main")]
 
 
@@ -173,7 +173,7 @@ def test_demo_command_line_is_the_demo_recipe(monkeypatch, tmp_path):
     import shlex
 
     import slimspec.convert.pipeline as pipeline
-    from slimspec.distill.pipeline import brief_command, convert_briefly
+    from slimspec.workflows.recipes import brief_command, convert_briefly
     from slimspec.embedded import EMBEDDED_DRAFTER, EMBEDDED_TARGET
 
     seen = []
@@ -299,7 +299,7 @@ def test_plot_without_a_head_to_plot_is_refused(tmp_path):
 def test_a_failed_push_after_convert_says_where_the_conversion_is(tmp_path, monkeypatch):
     """Catches `convert --push-to` failing at the push (offline, no token) without saying the conversion was kept:
     the same command then refuses the existing folder, and nothing says `slimspec push` finishes the job."""
-    import slimspec.publish
+    import slimspec.workflows.publish
 
     def offline(folder, repo_id, **kwargs):
         raise slimspec.publish.SlimSpecError(f"push to {repo_id} failed: no network")

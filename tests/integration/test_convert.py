@@ -30,7 +30,7 @@ def test_convert_full_vocab_every_layout(tmp_path, layout):
     """Catches wrong stitching (d2t mapping, rows from the target), wrong names for vLLM, lost tensors."""
     written = write_drafter(tmp_path / "d", layout, Spec())
     head = write_target(tmp_path / "t", tied=layout != "speculators", sharded=layout == "modelopt")
-    res = slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), "d/4", out=tmp_path / "o", progress=False)
+    res = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), "d/4", out=tmp_path / "o", progress=False)
     assert res.rank == 8
     with safe_open(str(tmp_path / "o" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
@@ -64,7 +64,7 @@ def test_draft_vocab_keeps_d2t(tmp_path):
     """Catches --vocab draft dropping or corrupting d2t (frequency-ordered ModelOpt source)."""
     written = write_drafter(tmp_path / "d", "modelopt", Spec())
     write_target(tmp_path / "t")
-    slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 5, vocab="draft", out=tmp_path / "o", progress=False)
+    slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 5, vocab="draft", out=tmp_path / "o", progress=False)
     with safe_open(str(tmp_path / "o" / "model.safetensors"), "pt") as f:
         assert torch.equal(f.get_tensor("d2t"), written["d2t"])
         up, down = f.get_tensor("lm_head.weight"), f.get_tensor("lm_head_down.weight")
@@ -83,19 +83,19 @@ def test_a_conversion_converted_again_only_shrinks(tmp_path):
 
     write_drafter(tmp_path / "d", "eagle", Spec(draft_vocab=97))
     write_target(tmp_path / "t")
-    slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 8, vocab="draft", out=tmp_path / "r8", progress=False)
+    slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, vocab="draft", out=tmp_path / "r8", progress=False)
     with pytest.raises(SlimSpecError, match="already a rank-8 pair: a rank-8 pair adds only zero directions"):
-        slimspec.convert(str(tmp_path / "r8"), None, 8, vocab="draft", out=tmp_path / "again", progress=False)
-    smaller = slimspec.convert(str(tmp_path / "r8"), None, 4, vocab="draft", out=tmp_path / "r4", progress=False)
+        slimspec.convert_drafter(str(tmp_path / "r8"), None, 8, vocab="draft", out=tmp_path / "again", progress=False)
+    smaller = slimspec.convert_drafter(str(tmp_path / "r8"), None, 4, vocab="draft", out=tmp_path / "r4", progress=False)
     assert smaller.report["head_params_source"] == 8 * (97 + 32) and smaller.report["head_params"] == 4 * (97 + 32)
     assert smaller.report["head_rows_source"] == 97  # what `slimspec bench` times the full head at
     # a stitched full-vocabulary head has target rows beside the pair's: any rank below d is worth converting to
-    slimspec.convert(str(tmp_path / "r8"), str(tmp_path / "t"), 16, out=tmp_path / "full", progress=False)
+    slimspec.convert_drafter(str(tmp_path / "r8"), str(tmp_path / "t"), 16, out=tmp_path / "full", progress=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 24, vocab="draft", out=tmp_path / "r24",
+        slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 24, vocab="draft", out=tmp_path / "r24",
                          progress=False)  # 24 x (97 + 32) = 3096 weights against 97 x 32 = 3104: still smaller
-        slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 25, vocab="draft", out=tmp_path / "r25",
+        slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 25, vocab="draft", out=tmp_path / "r25",
                          progress=False)  # 3225 > 3104
     assert [str(w.message).split(":")[0] for w in caught if w.category is SlimSpecWarning] == ["rank 25"]
 
@@ -103,7 +103,7 @@ def test_a_conversion_converted_again_only_shrinks(tmp_path):
 def test_headless_modelopt_factorises_target_head(tmp_path):
     write_drafter(tmp_path / "d", "modelopt", Spec(no_head=True, draft_vocab=None))
     head = write_target(tmp_path / "t", tied=False)
-    res = slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 4, out=tmp_path / "o", progress=False)
+    res = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 4, out=tmp_path / "o", progress=False)
     assert res.report["rows_from_drafter"] == 0
     assert abs(res.report["relative_frobenius_error"] - _svd_error(head, 4)) < 1e-5
 
@@ -112,20 +112,20 @@ def test_dtype_energy_rank_and_default_out(tmp_path, monkeypatch):
     write_drafter(tmp_path / "my-drafter", "eagle", Spec(dtype=torch.float16))
     write_target(tmp_path / "t")
     monkeypatch.chdir(tmp_path)
-    res = slimspec.convert("my-drafter", "t", "energy:0.5", progress=False)
+    res = slimspec.convert_drafter("my-drafter", "t", "energy:0.5", progress=False)
     assert res.out.name == f"my-drafter-slimspec-r{res.rank}"
     assert res.report["energy_kept"] >= 0.5 and res.report["dtype"] == "float16"
     with safe_open(str(res.out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("lm_head.weight").dtype == torch.float16
-    res2 = slimspec.convert("my-drafter", "t", "d/8", dtype="fp32", out="x", progress=False)
+    res2 = slimspec.convert_drafter("my-drafter", "t", "d/8", dtype="fp32", out="x", progress=False)
     assert res2.report["dtype"] == "float32"
 
 
 def test_overwrite_replaces(tmp_path):
     write_drafter(tmp_path / "d", "eagle", Spec())
     write_target(tmp_path / "t")
-    slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 4, out=tmp_path / "o", progress=False)
-    res = slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 6, out=tmp_path / "o", overwrite=True,
+    slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 4, out=tmp_path / "o", progress=False)
+    res = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 6, out=tmp_path / "o", overwrite=True,
                            progress=False)
     assert load_drafter(tmp_path / "o").rank == 6 == res.rank
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "o", "t"]
@@ -198,7 +198,7 @@ def test_output_config_is_unknown_outside_the_plugin(tmp_path):
     write_target(tmp_path / "t")
     for vocab in ("full", "draft"):
         out = tmp_path / f"o-{vocab}"
-        slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 5, vocab=vocab, out=out, progress=False)
+        slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 5, vocab=vocab, out=out, progress=False)
         cfg = json.loads((out / "config.json").read_text())
         assert "auto_map" not in cfg
         (arch,) = cfg["architectures"]
@@ -212,7 +212,7 @@ def test_unsupported_rope_drafter_is_refused_before_the_target_only_when_built(t
     write_drafter(tmp_path / "d", "eagle", Spec(extra_config={"rope_scaling": {
         "rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 1024}}))
     write_target(tmp_path / "t")
-    out = slimspec.convert(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o", progress=False).out
+    out = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o", progress=False).out
     assert load_drafter(out).config.rope_scaling["rope_type"] == "dynamic"
     for options in (["--init", "whitened"], ["--distill-steps", "2"]):  # the target is never reached
         result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--target", str(tmp_path / "nowhere"),

@@ -11,8 +11,9 @@ from click.testing import CliRunner
 import slimspec
 from slimspec.cli import main
 from slimspec.distill.pipeline import DataOptions, distill
-from slimspec.distill.prompts import Prompt, load_prompts
-from slimspec.distill.teacher import TeacherSettings, build_teacher_data, load_target_model
+from slimspec.prompts import Prompt, load_prompts
+from slimspec.distill.teacher import TeacherSettings, build_teacher_data
+from slimspec.checkpoint.target_model import load_target_model
 from slimspec.distill.train import DistillConfig, _sequence_inputs
 from slimspec.errors import SlimSpecError
 from tests.layouts import Spec, write_drafter
@@ -66,7 +67,8 @@ def test_features_hold_answer_positions_only(tiny_converted, tiny_target, tmp_pa
     """Catches batches drawn from prompt positions (zero loss weight at every TTT step): they shrank the real
     batch by more than half on the calibration prompts."""
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.distill.pipeline import drafter_model, load_target_parts
+    from slimspec.model import drafter_model
+    from slimspec.checkpoint.target_model import load_target_parts
     from slimspec.distill.train import student_features, student_outputs
 
     prompts = [Prompt("a", "Say hi."), Prompt("b", "Count to three, slowly please.")]
@@ -90,8 +92,10 @@ def test_distill_balances_a_lopsided_low_rank_head_first(tiny_converted, tiny_ta
     (conversions made before the whitened start was balanced: Adam then moved ``w_down`` in huge relative steps
     and ``w_up`` hardly at all). Before the first step each component's two norms must match, the logits kept."""
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.distill.pipeline import drafter_model, load_target_parts, teacher_head_for
-    from slimspec.distill.train import distill_drafter
+    from slimspec.model import drafter_model
+    from slimspec.checkpoint.target_model import load_target_parts
+    from slimspec.distill.pipeline import teacher_head_for
+    from slimspec.distill.train import train_drafter
     from slimspec.model import LowRankHead
 
     parts = load_target_parts(str(tiny_target))
@@ -103,7 +107,7 @@ def test_distill_balances_a_lopsided_low_rank_head_first(tiny_converted, tiny_ta
     prompts = [Prompt(str(i), p) for i, p in enumerate(["Say hi.", "Count to three.", "Name a colour.", "Why?"])]
     data = build_teacher_data(tiny_target, prompts, TeacherSettings(max_new_tokens=8, aux_layers=(1, 2, 3)),
                               cache_root=tmp_path, progress=False)
-    distill_drafter(drafter, data, teacher_head_for(drafter, parts), DistillConfig(steps=0, eval_every_nth=2),
+    train_drafter(drafter, data, teacher_head_for(drafter, parts), DistillConfig(steps=0, eval_every_nth=2),
                     progress=False)
     head = drafter.lm_head
     torch.testing.assert_close(head.up.norm(dim=0), head.down.norm(dim=1), rtol=1e-4, atol=0.0)
@@ -113,7 +117,7 @@ def test_distill_balances_a_lopsided_low_rank_head_first(tiny_converted, tiny_ta
 def test_convert_with_whitened_init_and_distill(tiny_converted, tiny_target, tmp_path, capsys):
     """Catches a loop that does not reduce the held-out KL, a missing side-by-side init report (KL and top-1
     agreement), and a report table that shows the random-state agreement of a distilled head (meaningless)."""
-    res = slimspec.convert(str(tmp_path / "drafter"), str(tiny_target), 8, out=tmp_path / "o", init="whitened",
+    res = slimspec.convert_drafter(str(tmp_path / "drafter"), str(tiny_target), 8, out=tmp_path / "o", init="whitened",
                            distill_steps=15, data_options=FEW, progress=False,
                            distill_config=DistillConfig(lr=1e-2, warmup_steps=2, batch_tokens=256))
     rep = res.report
@@ -154,7 +158,7 @@ def test_multi_layer_drafter_converts_distils_and_keeps_its_layers(tiny_target, 
     write_drafter(source, "speculators", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32, layers=2,
                                               parallel_token=7 if parallel else None, attention_bias=parallel,
                                               extra_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))
-    res = slimspec.convert(str(source), str(tiny_target), 8, vocab="draft", out=tmp_path / "o", init="whitened",
+    res = slimspec.convert_drafter(str(source), str(tiny_target), 8, vocab="draft", out=tmp_path / "o", init="whitened",
                            distill_steps=10, data_options=FEW, progress=False,
                            distill_config=DistillConfig(lr=1e-2, warmup_steps=2, batch_tokens=256))
     assert res.report["distill"]["kl_after"] < res.report["distill"]["kl_before"]
@@ -232,7 +236,7 @@ def test_resume_is_bit_for_bit(tiny_converted, tiny_target, tmp_path):
     # nor a checkpoint of another student: a drafter of the same shapes but other weights resumed silently
     write_drafter(tmp_path / "other", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32,
                                                     seed=9))
-    other = slimspec.convert(str(tmp_path / "other"), str(tiny_target), 8, out=tmp_path / "other-r8",
+    other = slimspec.convert_drafter(str(tmp_path / "other"), str(tiny_target), 8, out=tmp_path / "other-r8",
                              progress=False).out
     with pytest.raises(SlimSpecError, match="another source drafter"):
         distill(other, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg), data_options=FEW,
@@ -339,7 +343,7 @@ def test_from_scratch_trains_an_eagle_layout_drafter(tiny_target, tmp_path):
     ckpt = load_drafter(tmp_path / "scratch")
     assert ckpt.layout == "eagle" and ckpt.config.draft_vocab_size == 300 and ckpt.dtype == torch.float16
     assert ckpt.tensors["t2d"].sum() == 300
-    res = slimspec.convert(str(tmp_path / "scratch"), str(tiny_target), 4, out=tmp_path / "conv", progress=False)
+    res = slimspec.convert_drafter(str(tmp_path / "scratch"), str(tiny_target), 4, out=tmp_path / "conv", progress=False)
     assert res.report["rows_from_drafter"] == 300
 
 
@@ -348,7 +352,7 @@ def test_from_scratch_records_its_feature_layers_and_low_rank_head(tiny_target, 
     default layers), ids read in the wrong convention, an fc sized for 3 states when 2 are given, and a
     `--head-rank` drafter written as a plain Llama EAGLE config that stock vLLM would load with a [V, r] head."""
     from slimspec.checkpoint import load_drafter
-    from slimspec.distill.teacher import aux_layers_for
+    from slimspec.checkpoint.target_model import aux_layers_for
     from slimspec.evaluate.acceptance import evaluate
 
     result = CliRunner().invoke(main, ["distill", "--from-scratch", "-t", str(tiny_target), "--draft-vocab", "300",
@@ -373,7 +377,7 @@ def test_from_scratch_layers_trains_every_layer_and_writes_them(tiny_target, tmp
     its weights hold) and a later layer left at its random start (not in the optimizer, or not on the forward path);
     and `--layers`/`--head-rank`/`--draft-vocab` silently ignored without --from-scratch."""
     from slimspec.checkpoint import load_drafter
-    from slimspec.distill.pipeline import load_target_parts
+    from slimspec.checkpoint.target_model import load_target_parts
     from slimspec.distill.scratch import init_drafter
 
     result = CliRunner().invoke(main, ["distill", "--from-scratch", "-t", str(tiny_target), "--draft-vocab", "300",
@@ -446,7 +450,8 @@ def test_self_teacher_head_is_the_source_distribution(tiny_converted, tiny_targe
     wrong target tokens: softmax([h, 1] @ teacher.T) must equal the source head's softmax scattered through d2t
     (float64 reference)."""
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.distill.pipeline import load_target_parts, self_teacher_head
+    from slimspec.checkpoint.target_model import load_target_parts
+    from slimspec.distill.pipeline import self_teacher_head
 
     source = load_drafter(tmp_path / "drafter")
     parts = load_target_parts(str(tiny_target))
@@ -466,7 +471,9 @@ def test_drafter_teacher_recovers_the_source_head(tiny_target, tmp_path):
     head against the source drafter, its argmax must agree with the source head's on held-out drafter states
     more often than the SVD start does, and the held-out KL to the source must fall."""
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.distill.pipeline import drafter_model, load_target_parts, teacher_for
+    from slimspec.model import drafter_model
+    from slimspec.checkpoint.target_model import load_target_parts
+    from slimspec.distill.pipeline import teacher_for
     from slimspec.distill.train import split_sequences, student_features
 
     write_drafter(tmp_path / "drafter", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32))
@@ -474,7 +481,7 @@ def test_drafter_teacher_recovers_the_source_head(tiny_target, tmp_path):
     cfg = DistillConfig(lr=2e-2, warmup_steps=2, batch_tokens=256, teacher="drafter")
     runs = {}
     for steps in (0, 40):
-        res = slimspec.convert(str(tmp_path / "drafter"), str(tiny_target), 4, vocab="draft", init="svd",
+        res = slimspec.convert_drafter(str(tmp_path / "drafter"), str(tiny_target), 4, vocab="draft", init="svd",
                                out=tmp_path / f"o{steps}", distill_steps=steps, data_options=options,
                                distill_config=cfg, progress=False)
         runs[steps] = res
@@ -521,12 +528,14 @@ def test_drafter_teacher_with_backbone_scores_the_frozen_source(tiny_target, tmp
     could then shift its states to agree with itself): the reported held-out KL after training must equal a
     float64 KL between the source head on the source drafter's states and the trained student on its own."""
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.distill.pipeline import distill_teacher_head, drafter_model, load_target_parts, teacher_for
-    from slimspec.distill.train import distill_drafter, source_states, split_sequences, student_features
+    from slimspec.distill.pipeline import distill_teacher_head, teacher_for
+    from slimspec.model import drafter_model
+    from slimspec.checkpoint.target_model import load_target_parts
+    from slimspec.distill.train import train_drafter, source_states, split_sequences, student_features
 
     write_drafter(tmp_path / "drafter", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32))
     options = DataOptions(num_prompts=8, responses="regenerate", max_new_tokens=16)
-    res = slimspec.convert(str(tmp_path / "drafter"), str(tiny_target), 4, vocab="draft", init="svd",
+    res = slimspec.convert_drafter(str(tmp_path / "drafter"), str(tiny_target), 4, vocab="draft", init="svd",
                            out=tmp_path / "o", distill_steps=0, data_options=options, progress=False)
     parts = load_target_parts(str(tiny_target))
     source = load_drafter(tmp_path / "drafter")
@@ -541,7 +550,7 @@ def test_drafter_teacher_with_backbone_scores_the_frozen_source(tiny_target, tmp
     before = student_features(student, teacher, held, 3, source_rows=True)
     torch.testing.assert_close(before.hidden.reshape(-1, 32), frozen[before.teacher_index.reshape(-1)])
     fc_before = student.fc.weight.detach().clone()
-    result = distill_drafter(student, teacher, head, cfg, progress=False)
+    result = train_drafter(student, teacher, head, cfg, progress=False)
     assert not torch.equal(student.fc.weight, fc_before), "the backbone did not train"
     after = student_features(student, teacher, held, 3, source_rows=True)
     h, rows = after.hidden[:, 0].double(), after.teacher_index[:, 0]
@@ -665,7 +674,7 @@ def test_distill_trains_on_the_chosen_device(tiny_converted, tiny_target, tmp_pa
         asked.append(str(device))
         raise SlimSpecError("stop here")
 
-    monkeypatch.setattr(pipeline, "distill_drafter", recording)
+    monkeypatch.setattr(pipeline, "train_drafter", recording)
     for setting, want in ((None, "cuda"), ("cpu", "cpu")):
         pretend_gpus(1)
         if setting is not None:
@@ -715,7 +724,7 @@ def test_backbone_training_without_weighted_rows(tmp_path):
     when a step draws only sequences without answer positions, and training nothing, silently, when no sequence
     has any (a head-only run refuses that in one line; now both do)."""
     from slimspec.checkpoint.drafter import DrafterConfig
-    from slimspec.distill.train import distill_drafter
+    from slimspec.distill.train import train_drafter
     from slimspec.model import Eagle3Drafter, LowRankHead
 
     torch.manual_seed(0)
@@ -725,10 +734,10 @@ def test_backbone_training_without_weighted_rows(tmp_path):
                             embed_weight=torch.randn(50, 16))
     head = torch.randn(50, 16)
     with pytest.raises(SlimSpecError, match="no teacher sequence has answer tokens"):
-        distill_drafter(drafter, _synthetic_teacher([False] * 6), head,
+        train_drafter(drafter, _synthetic_teacher([False] * 6), head,
                         DistillConfig(steps=2, train_backbone=True), progress=False)
     # one sequence per step (batch_tokens 1), most of them without answers: steps without rows just pass
-    result = distill_drafter(drafter, _synthetic_teacher([True, False, False, False, False, False, True, False]),
+    result = train_drafter(drafter, _synthetic_teacher([True, False, False, False, False, False, True, False]),
                              head, DistillConfig(steps=8, train_backbone=True, batch_tokens=1, warmup_steps=0),
                              progress=False)
     assert len(result.history) == 8 and any(h["loss"] == 0 for h in result.history)

@@ -38,7 +38,7 @@ def _tiny_drafter(tmp_path, vocab: int, draft_vocab: int, seed: int = 3) -> Eagl
 
 def test_greedy_is_token_identical_to_target(tiny_target, tmp_path):
     """Catches any cache/position bookkeeping error: greedy speculative output must equal target.generate."""
-    from slimspec.distill.teacher import load_target_model
+    from slimspec.checkpoint.target_model import load_target_model
 
     target, _ = load_target_model(tiny_target)
     write_drafter(tmp_path / "d", "eagle", Spec(vocab=target.config.vocab_size, draft_vocab=512))
@@ -62,7 +62,7 @@ def test_parallel_drafter_is_lossless_and_drafts_in_one_pass(tiny_target, tmp_pa
     token or hidden state, or left in the drafter's cache for the next round): every round's K drafts must be the
     argmaxes of ONE causal pass over the real positions and K-1 masked slots (vLLM's parallel_drafting), and the
     greedy output must still equal the target's."""
-    from slimspec.distill.teacher import load_target_model
+    from slimspec.checkpoint.target_model import load_target_model
 
     target, _ = load_target_model(tiny_target)
     write_drafter(tmp_path / "d", "eagle", Spec(vocab=target.config.vocab_size, draft_vocab=512, parallel_token=11))
@@ -170,7 +170,7 @@ def test_cli_eval_json_with_baseline(tiny_converted, tiny_target, tmp_path):
 def test_cli_eval_says_which_drafter_drafts_in_parallel(tiny_target, tmp_path):
     """Catches an eval table that hides how each drafter drafted: a P-EAGLE drafter measured beside a chain
     drafter must be reported as "parallel" (one pass, K-1 masked slots), the other as "chain"."""
-    from slimspec.distill.teacher import load_target_model
+    from slimspec.checkpoint.target_model import load_target_model
 
     vocab = load_target_model(tiny_target)[0].config.vocab_size
     write_drafter(tmp_path / "p", "eagle", Spec(vocab=vocab, draft_vocab=512, parallel_token=11))
@@ -190,7 +190,7 @@ def test_eval_device_errors_before_loading_and_one_device_for_both_models(tiny_t
     silently), and a decoder whose drafter sits on another device than its target (a mismatch crash in the
     first draft step, or CPU drafting beside a GPU target)."""
     import slimspec.evaluate.acceptance as acceptance
-    from slimspec.distill.teacher import load_target_model
+    from slimspec.checkpoint.target_model import load_target_model
 
     monkeypatch.setattr(acceptance, "load_for_eval", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     result = CliRunner().invoke(main, ["eval", str(tmp_path / "any"), "--device", "cuda", "-q"])

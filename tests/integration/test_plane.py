@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from slimspec.cli import main
 from slimspec.convert.rank import parse_rank
-from slimspec.distill.pipeline import brief_distillation
+from slimspec.workflows.recipes import brief_distillation
 from slimspec.evaluate.cost import predicted_speedup
 from slimspec.evaluate.plane import PlanePoint, best_rank, plane_table
 from tests.layouts import Spec, write_drafter

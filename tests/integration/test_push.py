@@ -180,7 +180,7 @@ def test_revision_creates_branch(hub, converted):
 
 def test_card_shows_the_measured_acceptance(tmp_path):
     """Catches a card that drops the tau and rho_tau a run recorded in slimspec.json (the demo writes them)."""
-    from slimspec.publish import card_with_metadata
+    from slimspec.workflows.publish import card_with_metadata
 
     (tmp_path / "config.json").write_text(json.dumps({"slimspec": {"rank": 72}}))
     card, _ = card_with_metadata(tmp_path, {"rank": 72, "tau": 1.425, "rho_tau": 0.881})
@@ -224,7 +224,7 @@ def test_only_checkpoint_files_are_pushed_and_stale_weights_removed(hub, convert
 def test_card_never_names_a_local_path_as_base_model(tmp_path):
     """Catches a recorded local source (absolute since local sources are recorded so) that no longer exists being
     published as the card's base_model (a home path in a public card, invalid Hub metadata)."""
-    from slimspec.publish import card_with_metadata
+    from slimspec.workflows.publish import card_with_metadata
 
     for source in ("/home/alice/drafters/eagle3-x", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"):
         (tmp_path / "config.json").write_text(json.dumps({"slimspec": {"rank": 8, "source_drafter": source}}))

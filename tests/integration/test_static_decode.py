@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from slimspec.distill.prompts import Prompt
+from slimspec.prompts import Prompt
 from slimspec.distill.static_decode import static_decode, supports
-from slimspec.distill.teacher import TeacherSettings, _chat_ids, build_teacher_data, load_target_model
+from slimspec.distill.teacher import TeacherSettings, build_teacher_data
+from slimspec.checkpoint.target_model import chat_ids, load_target_model
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["Say hi.", "Count to three, slowly please, and then stop.", "Why is the sky blue? Answer briefly.", "Go"]
@@ -45,7 +46,7 @@ def test_static_decode_matches_generate_and_forward(arch, tiny_target, tmp_path)
     model, tokenizer = load_target_model(target)
     assert supports(model)
     layers = (1, 2, model.config.num_hidden_layers)
-    prefixes = [_chat_ids(tokenizer, p)[0] for p in PROMPTS]
+    prefixes = [chat_ids(tokenizer, p)[0] for p in PROMPTS]
     eos = tokenizer.eos_token_id
     results = static_decode(model, prefixes, 20, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
                             capture=layers)
@@ -75,7 +76,7 @@ def test_static_decode_stops_each_row_at_its_eos(tiny_target):
     """Catches rows that run on after their own eos (tokens or pads inside an answer), a batch that stops when
     the first row does, and features missing for the eos token itself."""
     model, tokenizer = load_target_model(tiny_target)
-    prefixes = [_chat_ids(tokenizer, p)[0] for p in PROMPTS]
+    prefixes = [chat_ids(tokenizer, p)[0] for p in PROMPTS]
     eos = tokenizer.eos_token_id
     head = _ScriptedHead(model.config.vocab_size, eos)
     model.get_output_embeddings = lambda: head
@@ -90,7 +91,7 @@ def test_static_decode_stops_each_row_at_its_eos(tiny_target):
 def test_sampling_follows_the_generator(tiny_target):
     """Catches sampling that ignores the seeded generator (two runs must agree) or silently decodes greedily."""
     model, tokenizer = load_target_model(tiny_target)
-    prefixes = [_chat_ids(tokenizer, p)[0] for p in PROMPTS]
+    prefixes = [chat_ids(tokenizer, p)[0] for p in PROMPTS]
     kw = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     runs = [static_decode(model, prefixes, 12, temperature=1.0, generator=torch.Generator().manual_seed(7), **kw)
             for _ in range(2)]
@@ -156,7 +157,7 @@ def test_cli_generation_engine_reaches_the_teacher(tiny_converted, tiny_target, 
 
 def test_batch_fingerprints_without_an_engine_are_unchanged():
     """Catches a new job key that changes every existing job's fingerprint (finished outputs would all rerun)."""
-    from slimspec.batch import job_fingerprint
+    from slimspec.workflows.batch import job_fingerprint
 
     job = {"drafter": "d", "target": "t", "rank": "d/8"}
     assert job_fingerprint(job) == job_fingerprint({**job, "generation_engine": "transformers"})
@@ -191,7 +192,7 @@ def test_both_engines_stop_at_every_eos_of_the_generation_config(tiny_target, tm
     target = tmp_path / "target"
     shutil.copytree(tiny_target, target)
     model, tokenizer = load_target_model(target)
-    prefix = _chat_ids(tokenizer, PROMPTS[1])[0]
+    prefix = chat_ids(tokenizer, PROMPTS[1])[0]
     answer = static_decode(model, [prefix], 10, eos_token_id=tokenizer.eos_token_id,
                            pad_token_id=tokenizer.pad_token_id)[0].response
     extra = answer[3]  # a token the target's greedy answer produces: make it an end-of-turn token

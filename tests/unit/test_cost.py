@@ -53,7 +53,7 @@ def test_kappa_times_the_full_head_a_slimspec_drafter_replaced(tiny_converted, t
     matmul FLOPs, so the expected values are exact: 2 * rows * d for the full head of ``full_head_rows`` rows."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from slimspec.distill.teacher import load_target_model
+    from slimspec.checkpoint.target_model import load_target_model
     from slimspec.evaluate import cost
     from slimspec.evaluate.acceptance import load_for_eval
 

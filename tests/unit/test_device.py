@@ -108,7 +108,7 @@ def test_distributed_distillation_refuses_a_gpu(monkeypatch):
     drafter = torch.nn.Module()
     drafter.fc = torch.nn.Linear(2, 2)
     with pytest.raises(SlimSpecError, match="distributed distillation .* runs on the CPU"):
-        train.distill_drafter(drafter, None, torch.zeros(3, 2), train.DistillConfig(), device="cuda")
+        train.train_drafter(drafter, None, torch.zeros(3, 2), train.DistillConfig(), device="cuda")
 
 
 def test_teacher_table_budget_on_a_gpu_is_its_free_memory(monkeypatch):

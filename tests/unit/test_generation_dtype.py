@@ -7,9 +7,10 @@ it reaches the teacher's cache key on every path that builds teacher data."""
 import pytest
 from click.testing import CliRunner
 
-from slimspec import batch, hardware
+from slimspec.workflows import batch
+from slimspec import hardware
 from slimspec.distill.pipeline import DataOptions
-from slimspec.distill.prompts import Prompt
+from slimspec.prompts import Prompt
 from slimspec.distill.teacher import TeacherSettings, build_teacher_data, cache_key
 from slimspec.errors import SlimSpecError
 

@@ -9,7 +9,7 @@ import pytest
 
 from slimspec.distill import pipeline, scratch
 from slimspec.distill.pipeline import DataOptions
-from slimspec.distill.prompts import Prompt
+from slimspec.prompts import Prompt
 from slimspec.distill.teacher import TeacherSettings, cache_key
 from slimspec.errors import SlimSpecError
 
@@ -69,8 +69,8 @@ def test_prompt_formats_and_the_eval_guard(tmp_path):
     """Catches prompt rows read wrongly (OpenAI content lists became a list, Alpaca inputs were dropped, a
     non-object row crashed with a traceback), a mistyped path reported as an unknown Hub dataset, and training
     prompts that are slimspec's own eval prompts (tau would be measured on the data the head was fitted to)."""
-    from slimspec.distill.prompts import load_prompts
-    from slimspec.evaluate.acceptance import eval_prompts
+    from slimspec.prompts import load_prompts
+    from slimspec.prompts import eval_prompts
 
     rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                        {"type": "image_url", "image_url": "x"}]}]},
@@ -110,7 +110,7 @@ def test_targets_with_several_eos_ids_get_new_cache_keys(tmp_path):
     """Catches reuse of a teacher cache built before answers stopped at every generation-config eos: a Llama 3.x
     style target (eos list) must key differently from the same folder with one eos, whose key (the shipped
     answers' case) must not change."""
-    from slimspec.distill.teacher import generation_stop_ids
+    from slimspec.checkpoint.target_model import generation_stop_ids
 
     (tmp_path / "config.json").write_text("{}")
     prompts = [Prompt(id="a", text="hello")]

@@ -9,7 +9,7 @@ import torch
 import slimspec.distill.train as train
 from slimspec.distill.loss import full_vocab_kl, naive_full_vocab_kl
 from slimspec.distill.teacher_table import TABLE_BYTES_ENV, table_budget, table_dtype, teacher_table
-from slimspec.distill.train import DistillConfig, distill_drafter
+from slimspec.distill.train import DistillConfig, train_drafter
 from slimspec.errors import SlimSpecError
 from slimspec.model import LowRankHead
 from tests.unit.test_full_vocab_kl import SHAPES, _case, _reference, _rel
@@ -140,7 +140,7 @@ def test_head_only_distillation_with_the_table_equals_the_per_step_teacher(tmp_p
         drafter.lm_head = LowRankHead(u[:, :3] * s[:3], vh[:3])
         cfg = DistillConfig(steps=6, lr=1e-2, warmup_steps=1, batch_tokens=16, eval_every_nth=4, teacher=teacher,
                             teacher_temperature=temperature)
-        result = distill_drafter(drafter, data, teacher_head, cfg, progress=False)
+        result = train_drafter(drafter, data, teacher_head, cfg, progress=False)
         runs.append((result, drafter.lm_head.up.detach().clone(), drafter.lm_head.down.detach().clone()))
     assert built == [torch.float32]  # built for the first run only
     (a, up_a, down_a), (b, up_b, down_b) = runs

@@ -6,7 +6,7 @@ import torch
 from slimspec.checkpoint.drafter import DrafterConfig
 from slimspec.distill.teacher import TeacherData
 from slimspec.distill.teacher_union import StackedRows, concat_teacher_data
-from slimspec.distill.train import DistillConfig, distill_drafter
+from slimspec.distill.train import DistillConfig, train_drafter
 from slimspec.errors import SlimSpecError
 from slimspec.model import Eagle3Drafter, FullHead
 from tests.unit.test_teacher_rows import _write
@@ -64,7 +64,7 @@ def test_training_on_the_union_equals_training_on_a_copy(tmp_path):
     for teacher in (concat_teacher_data(parts), _joined_in_memory(parts)):
         drafter = _tiny_drafter(head, embed)
         dcfg = DistillConfig(steps=3, lr=1e-2, warmup_steps=1, batch_tokens=24, train_backbone=True, eval_every_nth=4)
-        result = distill_drafter(drafter, teacher, head, dcfg, progress=False)
+        result = train_drafter(drafter, teacher, head, dcfg, progress=False)
         results.append((result, {k: v.clone() for k, v in drafter.state_dict().items()}))
     (a, wa), (b, wb) = results
     assert a.kl_before == b.kl_before and a.kl_after == b.kl_after and a.kl_after != a.kl_before
@@ -88,10 +88,10 @@ def test_long_runs_keep_only_every_nth_checkpoint_and_resume_from_the_latest(tmp
                         save_every=1)
     ckpts = tmp_path / "ckpts"
     drafter = _tiny_drafter(head, embed)
-    distill_drafter(drafter, teacher, head, cfg, checkpoint_dir=ckpts, progress=False, keep_every=3)
+    train_drafter(drafter, teacher, head, cfg, checkpoint_dir=ckpts, progress=False, keep_every=3)
     assert sorted(p.name for p in ckpts.glob("step-*.pt")) == ["step-000003.pt", "step-000006.pt", "step-000007.pt"]
     again = _tiny_drafter(head, embed)
-    result = distill_drafter(again, teacher, head, cfg, checkpoint_dir=ckpts, resume=True, progress=False,
+    result = train_drafter(again, teacher, head, cfg, checkpoint_dir=ckpts, resume=True, progress=False,
                              keep_every=3)
     assert len(result.history) == 7  # resumed at step 7: nothing left to train, the saved history came back
     assert all(torch.equal(a, b) for a, b in zip(drafter.parameters(), again.parameters(), strict=True))

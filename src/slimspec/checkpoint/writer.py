@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import save_file
 
 from slimspec.checkpoint.drafter import DrafterConfig
+from slimspec.dtypes import dtype_name
 from slimspec.errors import SlimSpecError
 
 ARCHITECTURES = {"llama": "Eagle3SlimSpecLlamaForCausalLM", "qwen3": "Eagle3SlimSpecQwen3ForCausalLM"}
 # full-rank drafters in the EAGLE layout: vLLM serves architecture A as Eagle3A (Eagle3Qwen3ForCausalLM builds Qwen3
 # layers with q/k norms, Eagle3LlamaForCausalLM Llama ones)
 EAGLE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def drafter_config_json(
@@ -49,7 +49,7 @@ def drafter_config_json(
         "draft_vocab_size": head_vocab,
         "target_hidden_size": cfg.target_hidden_size,
         "tie_word_embeddings": False,
-        "torch_dtype": DTYPE_NAMES[dtype],
+        "torch_dtype": dtype_name(dtype),
         "norm_before_residual": cfg.norm_before_residual,
         "norm_before_fc": cfg.norm_before_fc,
         "fc_norm": cfg.fc_norm,

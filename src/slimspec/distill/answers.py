@@ -80,11 +80,35 @@ def answers_of_cache(folder: Path) -> dict[int, list[int]]:
 
 def answers_in_progress(work: Path) -> dict[int, list[int]]:
     """The responses of the batches an interrupted static-engine build finished (its ``work`` folder)."""
-    from slimspec.distill.teacher import batch_spans
-
     out, handles = {}, {}
     for i, (name, at, length, split) in batch_spans(work).items():
         if name not in handles:
             handles[name] = safe_open(str(work / name), "pt")
         out[i] = handles[name].get_slice("input_ids")[at + split:at + length].tolist()
     return out
+
+
+def journal_rows(journal: Path) -> list[dict]:
+    """The JSON lines of a build journal (a line cut off by a kill is skipped)."""
+    rows = []
+    if journal.exists():
+        for line in journal.read_text().split("\n"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut off by a kill
+    return rows
+
+
+def batch_spans(work: Path) -> dict[int, tuple[str, int, int, int]]:
+    """Where ``_static_generate`` put each finished prompt: (batch file, first row, sequence length, prompt
+    length), from its journal; batches whose file is missing are left out."""
+    where = {}
+    for row in journal_rows(work / "batches.jsonl"):
+        if not (work / row["file"]).exists():
+            continue
+        offset = 0
+        for i, length, split in zip(row["rows"], row["lengths"], row["splits"], strict=True):
+            where[int(i)] = (row["file"], offset, length, split)
+            offset += length
+    return where

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from slimspec.checkpoint.drafter import DrafterConfig, rope_of
+from slimspec.checkpoint.target_model import TargetParts, aux_layers_for, load_target_parts
 from slimspec.checkpoint.writer import (
     atomic_folder,
     check_output_free,
@@ -21,25 +22,24 @@ from slimspec.checkpoint.writer import (
     save_tensors,
     write_json,
 )
-from slimspec.distill.pipeline import DataOptions, TargetParts, load_target_parts
-from slimspec.distill.teacher import TeacherData, TeacherSettings, aux_layers_for, build_teacher_data
+from slimspec.distill.pipeline import DataOptions
+from slimspec.distill.teacher import TeacherData, TeacherSettings, build_teacher_data
 from slimspec.distill.train import (
     DistillConfig,
     DistillResult,
     _world,
-    distill_drafter,
     prepare_checkpoint_dir,
+    train_drafter,
     training_device,
 )
 from slimspec.errors import SlimSpecError
 from slimspec.model import Eagle3Drafter, FullHead, LowRankHead
+from slimspec.prompts import load_prompts
 
 
 def scratch_teacher(parts: TargetParts, options: DataOptions, progress: bool) -> tuple[TeacherData, TeacherSettings]:
     """Teacher data for a new drafter (EAGLE-3's default feature layers unless ``options`` say otherwise: ids in
     ``options.aux_convention``, default ``input``, the convention the written drafter records)."""
-    from slimspec.distill.prompts import load_prompts
-
     settings = options.teacher_settings(aux_layers_for(options.aux_layers, "eagle", parts.num_layers,
                                                        options.aux_convention))
     prompts = load_prompts(options.data, limit=options.num_prompts, training=True)
@@ -152,7 +152,7 @@ def train_from_scratch(
     dcfg.num_aux_hidden_states = len(settings.aux_layers)
     drafter = init_drafter(dcfg, parts, draft_ids, rank, cfg.seed)
     teacher_head = parts.head[draft_ids] if draft_vocab != parts.head.shape[0] else parts.head
-    result = distill_drafter(drafter, teacher, teacher_head, cfg, checkpoint_dir=checkpoints, resume=resume,
+    result = train_drafter(drafter, teacher, teacher_head, cfg, checkpoint_dir=checkpoints, resume=resume,
                              progress=progress, device=training_device(options.device))
     if rank_id == 0:  # one writer: under torchrun every rank holds the same trained drafter
         write_eagle_layout(drafter, dcfg, draft_ids, out, result, target, settings, overwrite, training_extra)

@@ -21,43 +21,26 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from slimspec.distill.prompts import Prompt, prompts_fingerprint
-from slimspec.distill.static_decode import cut_at_stop
+from slimspec.checkpoint.target_model import (
+    chat_ids,
+    default_aux_layers,
+    generation_stop_ids,
+    load_target_model,
+    stop_token_ids,
+)
+from slimspec.checkpoint.writer import remove_stale_temps
+from slimspec.distill.answers import batch_spans, journal_rows, load_answers
+from slimspec.distill.static_decode import cut_at_stop, static_decode, static_prefill
+from slimspec.embedded import cache_dir, file_lock
 from slimspec.errors import SlimSpecError
 from slimspec.hardware import GENERATION_DTYPES, default_generation_dtype, resolve_device
+from slimspec.prompts import Prompt, prompts_fingerprint
 
 Responses = Literal["regenerate", "reference", "none"]
 CACHE_VERSION = 1
-
-
-def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default features: hidden states *entering* target layers 2, L//2 and L-3.
-
-    These are HF ``output_hidden_states`` indices (index i = output of layer i-1 = input of layer i),
-    the convention vLLM reads ``eagle_aux_hidden_state_layer_ids`` in.
-    """
-    return (2, num_layers // 2, num_layers - 3)
-
-
-def aux_layers_for(ids: list[int] | None, layout: str, num_layers: int, convention: str | None = None) -> tuple:
-    """HF hidden-state indices of a drafter's features.
-
-    ``convention``: ``input`` (ids name the layer the state enters: vLLM, speculators) or ``output``
-    (ids name the layer that produced it: SpecForge/ModelOpt configs, so index = id + 1). By default
-    the convention follows the layout that wrote the ids.
-    """
-    if not ids:
-        return default_aux_layers(num_layers)
-    convention = convention or ("output" if layout in ("specforge", "modelopt") else "input")
-    if convention not in ("input", "output"):
-        raise SlimSpecError(f"aux layer convention must be 'input' or 'output', got {convention!r}")
-    shift = 1 if convention == "output" else 0
-    out = tuple(int(i) + shift for i in ids)
-    if any(not 0 <= i <= num_layers for i in out):
-        raise SlimSpecError(f"aux layers {out} out of range for a target with {num_layers} layers")
-    return out
 
 
 @dataclass
@@ -179,21 +162,6 @@ def _claim(where: TeacherLocation, journal: Path, content: str, progress: bool) 
             pass
 
 
-def generation_stop_ids(target_path: Path) -> list[int]:
-    """The distinct eos ids of a target folder's ``generation_config.json`` (sorted; [] without one)."""
-    path = Path(target_path) / "generation_config.json"
-    try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
-        return []
-    return sorted({i for i in _eos_ids(eos) if isinstance(i, int)})
-
-
-def _eos_ids(eos) -> list:
-    """An ``eos_token_id`` setting (one id, a list of ids, or None) as a list."""
-    return [eos] if isinstance(eos, int) else list(eos) if isinstance(eos, list | tuple) else []
-
-
 def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSettings) -> str:
     fields = asdict(settings)
     if fields["engine"] == "transformers" or fields["responses"] != "regenerate":  # keys as before the choice
@@ -230,8 +198,6 @@ decoding (the greedy float32 answers of the 300 calibration prompts behind the e
 
 def teacher_cache_root() -> Path:
     """Where teacher caches live: ``$SLIMSPEC_TEACHER_CACHE`` if set, else ``teacher/`` in the slimspec cache."""
-    from slimspec.embedded import cache_dir
-
     return Path(os.environ.get("SLIMSPEC_TEACHER_CACHE") or cache_dir() / "teacher")
 
 
@@ -246,54 +212,6 @@ def teacher_location(target_path: Path, prompts: list[Prompt], settings: Teacher
     key = cache_key(target_path, prompts, settings)
     root = Path(cache_root) if cache_root else teacher_cache_root()
     return TeacherLocation(key, root, root / key, root / f".{key}.static", num_layers)
-
-
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """Where the target's answers end: its tokenizer's eos and every eos of its generation config (Llama 3.1
-    Instruct: <|eot_id|>, <|eom_id|>, <|end_of_text|>), as transformers' ``generate`` and vLLM stop."""
-    config = getattr(model, "generation_config", None)
-    ids = _eos_ids(getattr(config, "eos_token_id", None))
-    if tokenizer.eos_token_id is not None:
-        ids.insert(0, tokenizer.eos_token_id)
-    return list(dict.fromkeys(int(i) for i in ids))
-
-
-def load_target_model(target_path: Path, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-    """The target as a transformers causal LM (eval mode, on ``device``: default the CPU) and its tokenizer.
-
-    On a GPU with ``accelerate`` installed, the weights load straight onto the device (``device_map``): an 8B
-    float32 target never takes 32 GB of host memory on the way; without it they pass through the CPU."""
-    import importlib.util
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
-    where = torch.device(device) if device is not None else torch.device("cpu")
-    if where.type == "cuda" and where.index is None:
-        where = torch.device("cuda", torch.cuda.current_device())
-    direct = where.type != "cpu" and importlib.util.find_spec("accelerate") is not None  # transformers needs it
-    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype,
-                                                 **({"device_map": {"": where}} if direct else {}))
-    model.eval()
-    if where.type != "cpu":
-        model.to(where)  # without accelerate; a no-op after a direct load
-    return model, tokenizer
-
-
-def _chat_ids(tokenizer, prompt: str, answer: str | None = None) -> tuple[list[int], int]:
-    """Token ids of the chat-formatted prompt (+ answer) and where the answer starts."""
-    messages = [{"role": "user", "content": prompt}]
-    prefix = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    prefix = list(prefix["input_ids"] if not isinstance(prefix, list) else prefix)
-    if answer is None:
-        return prefix, len(prefix)
-    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=True)
-    full = list(full["input_ids"] if not isinstance(full, list) else full)
-    if full[: len(prefix)] != prefix:  # templates that rewrite the prefix: fall back to concatenation
-        full = prefix + tokenizer(answer, add_special_tokens=False)["input_ids"]
-    return full, len(prefix)
 
 
 @torch.no_grad()
@@ -376,7 +294,6 @@ def build_teacher_data(
     if settings.generation_dtype not in GENERATION_DTYPES:
         raise SlimSpecError(f"generation dtype must be one of {', '.join(GENERATION_DTYPES)}, "
                             f"got {settings.generation_dtype!r}")
-    from slimspec.embedded import file_lock
 
     device = resolve_device(device)
     target_path = Path(target_path)
@@ -431,8 +348,6 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
            journal: Path, content: str, progress: bool, answers: Path | None,
            device: torch.device) -> TeacherData:
     """Decode (or read saved answers), take the features and write the cache of ``where`` (its lock held)."""
-    from slimspec.distill.answers import load_answers
-
     key, root, folder, work, num_layers = where.key, where.root, where.folder, where.work, where.num_layers
     static_engine = uses_static_engine(settings, device)
     if settings.engine == "static" and not static_engine and settings.responses == "regenerate" and progress:
@@ -460,7 +375,7 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
             print("[slimspec] the static engine does not support this target: transformers' generate and forwards "
                   "do the work", file=sys.stderr)
         if static:
-            prefixes = [_chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
+            prefixes = [chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
             _static_generate(generator_model, tokenizer, prefixes, settings, work, store, progress, known)
             del generator_model
             sequences = _static_sequences(work, len(prefixes))
@@ -477,7 +392,7 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
                                                            device)
         else:
             generator_model, (model, tokenizer) = None, load_target_model(target_path, device=device)
-        prefixes = [_chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
+        prefixes = [chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
         bar = _bar(len(prefixes), "generating responses", progress)
         start, count = time.perf_counter(), [0]
 
@@ -505,7 +420,7 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
             answer = p.reference if settings.responses == "reference" else None
             if settings.responses == "reference" and not answer:
                 continue
-            ids, split = _chat_ids(tokenizer, p.text, answer)
+            ids, split = chat_ids(tokenizer, p.text, answer)
             sequences.append((ids[: settings.max_length], split if answer else 0))
 
     def with_features():
@@ -530,8 +445,6 @@ def _write_teacher_folder(target_path: Path, root: Path, key: str, folder: Path,
     dtype) appended sequence by sequence, so neither writing nor reading them needs the data in RAM; the token
     ids and loss mask (9 bytes a token) go to ``tokens.safetensors``.
     """
-    from slimspec.checkpoint.writer import remove_stale_temps
-
     remove_stale_temps(root, key)  # a killed build's full-size rows would otherwise stay forever
     tmp = root / f".{key}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -591,14 +504,10 @@ def _static_generate(model, tokenizer, prefixes: list[list[int]], settings: Teac
     interrupted build resumes after the last finished batch with everything it computed kept. Prompts with a
     ``known`` answer (saved answers) get their features from batched forwards first; the rest are decoded.
     """
-    from safetensors import safe_open
-
-    from slimspec.distill.static_decode import static_decode
-
     work.mkdir(parents=True, exist_ok=True)
     journal = work / "batches.jsonl"
     finished: set[int] = set()
-    for row in _journal_rows(journal):
+    for row in journal_rows(journal):
         if (work / row["file"]).exists():
             with safe_open(str(work / row["file"]), "pt"):
                 finished.update(row["rows"])
@@ -650,8 +559,6 @@ def _prefill_known(model, prefixes: list[list[int]], known: dict[int, list[int]]
                    write_batch, progress: bool) -> None:
     """Features of prompt + known answer for every ``known`` prompt: length-sorted groups of up to
     ``PREFILL_TOKENS`` padded positions, one forward each, handed to ``write_batch`` like decoded batches."""
-    from slimspec.distill.static_decode import static_prefill
-
     seqs = {i: (prefixes[i] + known[i])[: settings.max_length] for i in known}
     order = sorted(seqs, key=lambda i: len(seqs[i]))
     bar = _bar(len(order), "features of saved answers", progress)
@@ -667,35 +574,8 @@ def _prefill_known(model, prefixes: list[list[int]], known: dict[int, list[int]]
     bar.close()
 
 
-def _journal_rows(journal: Path) -> list[dict]:
-    rows = []
-    if journal.exists():
-        for line in journal.read_text().split("\n"):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut off by a kill
-    return rows
-
-
-def batch_spans(work: Path) -> dict[int, tuple[str, int, int, int]]:
-    """Where ``_static_generate`` put each finished prompt: (batch file, first row, sequence length, prompt
-    length), from its journal; batches whose file is missing are left out."""
-    where = {}
-    for row in _journal_rows(work / "batches.jsonl"):
-        if not (work / row["file"]).exists():
-            continue
-        offset = 0
-        for i, length, split in zip(row["rows"], row["lengths"], row["splits"], strict=True):
-            where[int(i)] = (row["file"], offset, length, split)
-            offset += length
-    return where
-
-
 def _static_sequences(work: Path, count: int):
     """(ids, split, aux, final) of each prompt, in prompt order, read back from ``_static_generate``'s files."""
-    from safetensors import safe_open
-
     where = batch_spans(work)
     handles: dict[str, object] = {}
     for i in range(count):

@@ -29,6 +29,7 @@ from slimspec.distill.loss import full_vocab_kl, top1_agreement
 from slimspec.distill.teacher import TeacherData
 from slimspec.distill.teacher_table import table_budget, table_dtype, teacher_table
 from slimspec.errors import SlimSpecError
+from slimspec.hardware import resolve_device
 from slimspec.model import Eagle3Drafter, LowRankHead
 
 TEACHERS = ("target", "drafter")
@@ -504,12 +505,10 @@ def prepare_checkpoint_dir(folder: Path, resume: bool, overwrite: bool) -> None:
 def training_device(name: str | None) -> torch.device:
     """Where a run distils for ``--device`` ``name`` (see :func:`slimspec.hardware.resolve_device`); the CPU under
     torchrun, whose all-reduce and per-rank teacher tables are host-side."""
-    from slimspec.hardware import resolve_device
-
     return torch.device("cpu") if _world()[1] > 1 else resolve_device(name)
 
 
-def distill_drafter(
+def train_drafter(
     drafter: Eagle3Drafter,
     teacher: TeacherData,
     teacher_head: torch.Tensor,
@@ -545,7 +544,7 @@ def distill_drafter(
 
 def _distill(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.Tensor, cfg: DistillConfig,
              checkpoint_dir: Path | None, resume: bool, progress: bool, keep_every: int, run: dict) -> DistillResult:
-    """:func:`distill_drafter` on the device the drafter and ``teacher_head`` are on."""
+    """:func:`train_drafter` on the device the drafter and ``teacher_head`` are on."""
     from tqdm.auto import tqdm
 
     rank, world = _world()

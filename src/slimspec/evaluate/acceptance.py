@@ -2,41 +2,29 @@
 
 from __future__ import annotations
 
+import gc
 import json
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from slimspec.checkpoint import load_drafter
+from slimspec.checkpoint.target_model import (
+    aux_layers_for,
+    chat_ids,
+    load_target_model,
+    load_target_parts,
+    stop_token_ids,
+    target_of,
+)
 from slimspec.errors import SlimSpecError
-from slimspec.evaluate.spec_decode import DecodeStats, SpeculativeDecoder
-
-DATASETS = ("mt_bench", "humaneval", "gsm8k")
-
-
-def eval_prompts(dataset: str, num_prompts: int | None) -> list[str]:
-    """First turns of a shipped eval set (mt_bench, humaneval, gsm8k) or of any jsonl with ``turns``."""
-    if dataset in DATASETS:
-        text = resources.files("slimspec").joinpath(f"data/eval/{dataset}.jsonl").read_text(encoding="utf-8")
-    else:
-        path = Path(dataset)
-        if not path.is_file():
-            raise SlimSpecError(f"--dataset {dataset}: not one of {', '.join(DATASETS)} and no such file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise SlimSpecError(f"--dataset {dataset}: cannot read it ({exc})") from None
-    try:
-        rows = [json.loads(line) for line in text.split("\n") if line.strip()]
-        prompts = [r["turns"] if isinstance(r["turns"], str) else r["turns"][0] for r in rows]  # a string: one turn
-    except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
-        raise SlimSpecError(f"--dataset {dataset}: expected jsonl rows with a 'turns' list ({exc})") from None
-    return prompts[:num_prompts] if num_prompts else prompts
-
-
-NO_ROUND = ("no speculation round ran: every prompt ended at its first new token (--max-new-tokens 1, or the "
-            "target's end-of-turn first); tau is undefined: give more new tokens or other prompts")
+from slimspec.evaluate.spec_decode import NO_ROUND, DecodeStats, SpeculativeDecoder
+from slimspec.evaluate.vllm_engine import check_command, evaluate_vllm, vllm_python
+from slimspec.hardware import resolve_device
+from slimspec.hub import resolve_model
+from slimspec.model import drafter_model
+from slimspec.prompts import eval_prompts
 
 
 def _stats_dict(stats: DecodeStats, num_prompts: int) -> dict[str, Any]:
@@ -47,32 +35,8 @@ def _stats_dict(stats: DecodeStats, num_prompts: int) -> dict[str, Any]:
             "new_tokens": stats.new_tokens, "seconds": stats.seconds}
 
 
-def target_of(drafter: str, ckpt=None) -> str:
-    """The target a drafter names (our slimspec.json metadata or its config), or the embedded target for
-    embedded drafters; SlimSpecError if none. ``ckpt``: the drafter, when already loaded."""
-    from slimspec import embedded
-
-    if ckpt is None:
-        from slimspec.checkpoint import load_drafter
-        from slimspec.hub import resolve_model
-
-        ckpt = load_drafter(resolve_model(drafter, "drafter"))
-
-    target = ckpt.named_target
-    if target is None and embedded.is_embedded(drafter):
-        target = embedded.EMBEDDED_TARGET
-    if target is None:
-        raise SlimSpecError("--target is needed (the drafter names no target)")
-    return target
-
-
 def load_for_eval(drafter: str, target: str | None):
     """(drafter model, aux layers, target parts) for a drafter id/folder."""
-    from slimspec.checkpoint import load_drafter
-    from slimspec.distill.pipeline import drafter_model, load_target_parts
-    from slimspec.distill.teacher import aux_layers_for
-    from slimspec.hub import resolve_model
-
     ckpt = load_drafter(resolve_model(drafter, "drafter"))
     revision = ckpt.target_revision_for(target)  # also when the recorded target is named explicitly
     target = target or target_of(drafter, ckpt)
@@ -109,7 +73,6 @@ def evaluate(
                               seed=seed, baseline=baseline, progress=progress, device=device)
     if engine != "reference":
         raise SlimSpecError(f"--engine must be 'reference' or 'vllm', got {engine!r}")
-    from slimspec.hardware import resolve_device
 
     where = resolve_device(device)  # an unusable device is an error before any model loads
     prompts = eval_prompts(dataset, num_prompts)
@@ -117,7 +80,6 @@ def evaluate(
                                                          max_new_tokens=max_new_tokens, draft_tokens=draft_tokens,
                                                          temperature=temperature, seed=seed, progress=progress)
     if where.type == "cuda":  # the models are gone now: hand their memory back (a vLLM engine may start next)
-        import gc
 
         gc.collect()
         torch.cuda.empty_cache()
@@ -139,8 +101,6 @@ def _decode_runs(drafter: str, target: str | None, baseline: str | None, prompts
     run, the target's name, its folder). The models live only inside this call."""
     from tqdm.auto import tqdm
 
-    from slimspec.distill.teacher import _chat_ids, load_target_model, stop_token_ids
-
     model, layers, parts, target = load_for_eval(drafter, target)
     target_model, tokenizer = load_target_model(parts.path, device=where)
     runs = [("drafter", model.to(where), layers)]
@@ -156,7 +116,7 @@ def _decode_runs(drafter: str, target: str | None, baseline: str | None, prompts
         stats = DecodeStats(accepted_per_position=[0] * draft_tokens)
         outputs[name] = []
         for prompt in tqdm(prompts, desc=f"[slimspec] eval {name}", disable=not progress, leave=False):
-            ids, _ = _chat_ids(tokenizer, prompt)
+            ids, _ = chat_ids(tokenizer, prompt)
             out, s = decoder.generate(ids, max_new_tokens)
             outputs[name].append(out)
             stats.add(s)
@@ -194,9 +154,6 @@ def target_greedy(target_model, prompt_ids: list[int], max_new_tokens: int, eos:
 def _evaluate_both(drafter: str, target: str | None, *, dataset: str, num_prompts: int | None, max_new_tokens: int,
                    draft_tokens: int, temperature: float, seed: int, baseline: str | None,
                    progress: bool, device: str | None) -> dict[str, Any]:
-    from slimspec.evaluate.vllm_engine import check_command, evaluate_vllm, vllm_python
-    from slimspec.hub import resolve_model
-
     check_command(vllm_python())  # a missing vLLM fails now, not after the whole reference decode
     reference = evaluate(drafter, target, dataset=dataset, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                          draft_tokens=draft_tokens, temperature=temperature, seed=seed, baseline=baseline,

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 def flop_floor(vocab: int, hidden: int, rank: int, source_vocab: int | None = None) -> float:
@@ -98,7 +99,6 @@ def measure_kappa(target, drafter, *, full_head_rows: int | None = None, draft_t
     rows); its low-rank head's step is reported beside it (``lowrank_head_s``). The pieces are timed separately at
     a context of ``context`` tokens, batch 1, on the device the drafter and the target share.
     """
-    import torch.nn.functional as F
     from transformers import DynamicCache
 
     hidden = drafter.config.hidden_size

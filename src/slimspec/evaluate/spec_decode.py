@@ -180,3 +180,7 @@ class SpeculativeDecoder:
             token = int(torch.multinomial(residual / total if total > 0 else p, 1, generator=self.generator))
             return j, token
         return len(drafts), int(torch.multinomial(ps[len(drafts)], 1, generator=self.generator))
+
+
+NO_ROUND = ("no speculation round ran: every prompt ended at its first new token (--max-new-tokens 1, or the "
+            "target's end-of-turn first); tau is undefined: give more new tokens or other prompts")

@@ -18,7 +18,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from slimspec.checkpoint.drafter import MASK_HIDDEN
+from slimspec.checkpoint.files import weight_map
 from slimspec.errors import SlimSpecError
+from slimspec.evaluate.spec_decode import NO_ROUND
 
 REPO = Path(__file__).resolve().parents[3]
 PYTHON_ENV = "SLIMSPEC_VLLM_PYTHON"  # a python with vLLM (default: <repo>/.venv-vllm, else this one if it has vLLM)
@@ -103,9 +108,6 @@ def run_vllm_check(target: str | Path, prompts: list[str], *, drafter: str | Pat
 
 def is_parallel_drafter(folder: Path) -> bool:
     """A P-EAGLE drafter (its weights hold ``mask_hidden``): vLLM must draft it with ``parallel_drafting``."""
-    from slimspec.checkpoint.drafter import MASK_HIDDEN
-    from slimspec.checkpoint.files import weight_map
-
     return any(name.removeprefix("model.") == MASK_HIDDEN for name in weight_map(folder))
 
 
@@ -133,8 +135,6 @@ def evaluate_vllm(
     if not prompts:
         raise SlimSpecError("evaluate_vllm needs at least one prompt")
     if enforce_eager is None:
-        import torch
-
         enforce_eager = not torch.cuda.is_available()
     args = ["--max-new-tokens", str(max_new_tokens), "--draft-tokens", str(draft_tokens),
             "--temperature", str(temperature), "--dtype", dtype, "--seed", str(seed)]
@@ -149,8 +149,6 @@ def evaluate_vllm(
         raise SlimSpecError(f"vLLM could not run {drafter_folder}: {report.get('error')}")
     spec = report["spec_decode"]
     if not spec.get("num_drafts"):
-        from slimspec.evaluate.acceptance import NO_ROUND
-
         raise SlimSpecError(f"vLLM: {NO_ROUND}")
     return {
         "tau": report["tau"],

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
+from slimspec.checkpoint import load_drafter
+from slimspec.checkpoint.files import read_json
 from slimspec.errors import SlimSpecError, first_line
+from slimspec.hub import HUB_ID
 
 HUB_TAGS = ("speculative-decoding", "eagle3", "slimspec")
 PUSHED_FILES = ("config.json", "slimspec.json", "training.json", "generation_config.json", "README.md",
@@ -36,9 +40,6 @@ class PushPlan:
 
 def validate_folder(folder: Path) -> dict[str, Any]:
     """Reload a SlimSpec folder and check its factors and config; returns its slimspec.json (or {})."""
-    from slimspec.checkpoint import load_drafter
-    from slimspec.checkpoint.files import read_json
-
     if not folder.is_dir():
         raise SlimSpecError(f"{folder}: not a folder")
     ckpt = load_drafter(folder)
@@ -57,8 +58,6 @@ def validate_folder(folder: Path) -> dict[str, Any]:
 
 def card_with_metadata(folder: Path, report: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The model card text with Hub metadata (base_model, tags) and the measured numbers ensured."""
-    from slimspec.hub import HUB_ID
-
     config = json.loads((folder / "config.json").read_text())
     meta = config.get("slimspec", {})
     source = meta.get("source_drafter") or report.get("source", {}).get("drafter")
@@ -97,10 +96,6 @@ def push(
     dry_run: bool = False,
 ) -> PushPlan:
     """Validate ``folder`` and upload it to ``repo_id`` in one commit (creating the repo if needed)."""
-    import tempfile
-
-    from slimspec.hub import HUB_ID
-
     folder = Path(folder)
     if not HUB_ID.match(repo_id):
         raise SlimSpecError(f"{repo_id!r} is not a Hub repo id (owner/name)")

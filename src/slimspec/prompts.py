@@ -1,11 +1,14 @@
-"""Prompt sets for teacher data: local jsonl/json/parquet files, a `datasets` id, or the shipped calibration set."""
+"""Prompt sets: training prompts (local jsonl/json/parquet files, a `datasets` id, or the shipped calibration set),
+the shipped eval sets, and the check that training never uses eval prompts."""
 
 from __future__ import annotations
 
 import glob
 import hashlib
 import json
+import random
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +82,6 @@ def _rows_from_file(path: Path) -> list[dict[str, Any]]:
 
 
 def shipped_calibration_path() -> Path:
-    from importlib import resources
-
     return Path(str(resources.files("slimspec").joinpath("data/calibration.jsonl")))
 
 
@@ -119,8 +120,6 @@ def load_prompts(spec: str | list[str] | None, *, limit: int | None = None, spli
     if not prompts:
         raise SlimSpecError(f"--data {spec}: no prompts found (expected a field among {', '.join(TEXT_FIELDS)})")
     if limit and limit < len(prompts):
-        import random
-
         keep = sorted(random.Random(seed).sample(range(len(prompts)), limit))
         prompts = [prompts[i] for i in keep]
     if training:
@@ -135,11 +134,32 @@ def _looks_like_dataset_id(item: str) -> bool:
             and Path(item).suffix not in PROMPT_SUFFIXES and not any(c in item for c in "*?["))
 
 
+DATASETS = ("mt_bench", "humaneval", "gsm8k")
+
+
+def eval_prompts(dataset: str, num_prompts: int | None) -> list[str]:
+    """First turns of a shipped eval set (mt_bench, humaneval, gsm8k) or of any jsonl with ``turns``."""
+    if dataset in DATASETS:
+        text = resources.files("slimspec").joinpath(f"data/eval/{dataset}.jsonl").read_text(encoding="utf-8")
+    else:
+        path = Path(dataset)
+        if not path.is_file():
+            raise SlimSpecError(f"--dataset {dataset}: not one of {', '.join(DATASETS)} and no such file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SlimSpecError(f"--dataset {dataset}: cannot read it ({exc})") from None
+    try:
+        rows = [json.loads(line) for line in text.split("\n") if line.strip()]
+        prompts = [r["turns"] if isinstance(r["turns"], str) else r["turns"][0] for r in rows]  # a string: one turn
+    except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+        raise SlimSpecError(f"--dataset {dataset}: expected jsonl rows with a 'turns' list ({exc})") from None
+    return prompts[:num_prompts] if num_prompts else prompts
+
+
 def check_not_eval(prompts: list[Prompt]) -> None:
     """Refuse training prompts that are slimspec's eval prompts (mt_bench, humaneval, gsm8k first turns): tau
     measured on prompts the head was fitted to would flatter it. Measuring on them is fine (``training=False``)."""
-    from slimspec.evaluate.acceptance import DATASETS, eval_prompts
-
     held_out = {text.strip() for name in DATASETS for text in eval_prompts(name, None)}
     shared = [p.id for p in prompts if p.text.strip() in held_out]
     if shared:

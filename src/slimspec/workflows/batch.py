@@ -14,8 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slimspec import choices
-from slimspec.errors import SlimSpecError, SlimSpecWarning, first_line
+from slimspec import choices, embedded
+from slimspec.convert.pipeline import model_name
+from slimspec.convert.rank import parse_rank
+from slimspec.distill.pipeline import DataOptions
+from slimspec.distill.train import DistillConfig
+from slimspec.errors import RankError, SlimSpecError, SlimSpecWarning, first_line
+from slimspec.evaluate.acceptance import evaluate, record_tau
+from slimspec.hardware import resolve_device
+from slimspec.hub import HUB_ID
+from slimspec.workflows.convert import convert_drafter
+from slimspec.workflows.publish import push
+from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_keys
 
 DISTILL_DEFAULTS: dict[str, Any] = {"teacher": "target", "lr": 2e-3, "warmup_steps": 10, "batch_tokens": 2048,
                                     "ttt_steps": 3, "seed": 0, "bf16": False, "teacher_temperature": 1.0,
@@ -169,11 +179,6 @@ def _check_job_reads(job: dict[str, Any], own: set[str], where: str) -> None:
     """What ``slimspec convert`` refuses, a job refuses before any job runs: options its conversion would not read
     (``own``: the keys the job itself gives; a default may serve only the jobs that read it), a rank batch cannot
     resolve, a revision pinning a local folder, a bad ``push_to`` or ``device``."""
-    from slimspec import embedded
-    from slimspec.convert.rank import parse_rank
-    from slimspec.errors import RankError
-    from slimspec.hub import HUB_ID
-
     steps, init = job.get("distill_steps", 0), job.get("init", "auto")
     if steps == 0:
         unread = sorted(own & DATA_KEYS) if init != "whitened" else sorted(own & set(choices.DISTILL_ONLY_OPTIONS))
@@ -199,8 +204,6 @@ def _check_job_reads(job: dict[str, Any], own: set[str], where: str) -> None:
     if job.get("push_to") and not HUB_ID.match(str(job["push_to"])):
         raise SlimSpecError(f"{where}: push_to {job['push_to']!r} is not a Hub repo id (owner/name)")
     if job.get("device") is not None:
-        from slimspec.hardware import resolve_device
-
         try:
             resolve_device(str(job["device"]))
         except SlimSpecError as exc:
@@ -209,8 +212,6 @@ def _check_job_reads(job: dict[str, Any], own: set[str], where: str) -> None:
 
 def recipe_keys(job: dict[str, Any]) -> dict[str, Any]:
     """The job keys of ``recipe: brief``: the demo's brief distillation (``convert --recipe brief``)."""
-    from slimspec.distill.pipeline import brief_keys
-
     return brief_keys(str(job.get("drafter")), job.get("target"))
 
 
@@ -266,10 +267,6 @@ def written_by_batch(out: Path) -> bool:
 
 
 def run_job(job: dict[str, Any]) -> JobResult:
-    from slimspec.convert.pipeline import convert, model_name
-    from slimspec.distill.pipeline import DataOptions
-    from slimspec.distill.train import DistillConfig
-
     start = time.perf_counter()
     fingerprint = job_fingerprint(job)
     out = Path(job.get("out") or f"{model_name(str(job['drafter']))}-slimspec-{fingerprint[:8]}")
@@ -294,25 +291,21 @@ def run_job(job: dict[str, Any]) -> JobResult:
                               aux_layers=job.get("aux_layers"), aux_convention=job.get("aux_convention"))
         config = DistillConfig(steps=int(job.get("distill_steps", 0)),
                                **{key: job[key] for key in DISTILL_CONFIG_KEYS if job.get(key) is not None})
-        result = convert(str(job["drafter"]), job.get("target"), job.get("rank", "d/8"), vocab=job.get("vocab", "full"),
-                         out=out, dtype=job.get("dtype"), revision=job.get("revision"),
-                         overwrite=bool(job.get("overwrite")) or written_by_batch(out),
-                         target_revision=job.get("target_revision"),
-                         progress=False, stitch=job.get("stitch", "target"), init=job.get("init", "auto"),
-                         distill_steps=int(job.get("distill_steps", 0)), data_options=options, distill_config=config,
-                         extra_report={"batch_job": fingerprint, "batch_inputs": inputs})
+        result = convert_drafter(
+            str(job["drafter"]), job.get("target"), job.get("rank", "d/8"), vocab=job.get("vocab", "full"), out=out,
+            dtype=job.get("dtype"), revision=job.get("revision"),
+            overwrite=bool(job.get("overwrite")) or written_by_batch(out), target_revision=job.get("target_revision"),
+            progress=False, stitch=job.get("stitch", "target"), init=job.get("init", "auto"),
+            distill_steps=int(job.get("distill_steps", 0)), data_options=options, distill_config=config,
+            extra_report={"batch_job": fingerprint, "batch_inputs": inputs})
         report, status = result.report, "done"
     if job.get("eval_prompts"):
-        from slimspec.evaluate.acceptance import evaluate, record_tau
-
         measured = evaluate(str(out), job.get("target"), num_prompts=int(job["eval_prompts"]), progress=False,
                             device=job.get("device"))
         record_tau(out, measured)  # in slimspec.json: later skips report it, the pushed card shows it
         tau = measured["tau"]
     pushed = None
     if job.get("push_to"):
-        from slimspec.publish import push
-
         plan = push(out, job["push_to"])
         pushed = plan.url or job["push_to"]
     return JobResult(job=job["name"], status=status, out=str(out), rank=report.get("rank"),
@@ -354,8 +347,6 @@ def run_batch(manifest: Path, *, continue_on_error: bool = False, report_path: P
             sink.close()
     undistilled = [r.job for r in results if r.distilled is False]
     if undistilled:
-        from slimspec.distill.pipeline import UNDISTILLED_EXAMPLE
-
         warnings.warn(f"{len(undistilled)} job(s) not distilled ({', '.join(undistilled)}): a conversion without "
                       f"distill_steps can lose most of the drafter's acceptance ({UNDISTILLED_EXAMPLE}); give them "
                       "recipe: brief (the demo's brief distillation) or distill_steps", SlimSpecWarning, stacklevel=2)
