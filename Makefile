@@ -34,7 +34,7 @@ vllm-setup:
 	bash scripts/setup_vllm_venv.sh $(VLLM_VENV)
 
 test: setup vllm-setup
-	$(BIN)/python -m ruff check src tests scripts
+	$(BIN)/python -m ruff check src tests scripts research
 	SLIMSPEC_REQUIRE_VLLM=1 $(BIN)/python -m pytest
 
 test-fast: setup
@@ -50,7 +50,7 @@ gpu-bench: setup vllm-setup
 	$(BIN)/slimspec bench head --vocab 128256 --hidden 4096 --rank 512 --dtype bf16 --device cuda
 
 lint: setup
-	$(BIN)/python -m ruff check src tests scripts
+	$(BIN)/python -m ruff check src tests scripts research
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) out .pytest_cache

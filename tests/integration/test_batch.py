@@ -161,23 +161,25 @@ def test_rerun_with_eval_prompts_measures_and_records_tau(tiny_target, tmp_path)
 
 
 def test_import_is_light_and_api_is_complete():
-    """`import slimspec` must not import vLLM, Triton or transformers; the documented API resolves."""
-    code = ("import sys, slimspec; heavy = [m for m in ('vllm', 'triton', 'transformers') if m in sys.modules];"
+    """`import slimspec` must not import torch, vLLM, Triton or transformers; the documented API resolves."""
+    code = ("import sys, slimspec; heavy = [m for m in ('torch', 'vllm', 'triton', 'transformers') if m in sys.modules];"
             "print(heavy); print(all(callable(getattr(slimspec, n)) for n in "
-            "('convert', 'convert_briefly', 'distill', 'evaluate', 'push', 'factorize')))")
+            "('convert_drafter', 'convert_briefly', 'distill_drafter', 'evaluate_drafter', 'push', 'factorize')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["[]", "True"]
 
 
 def test_api_functions_stay_callable_after_their_packages_load():
-    """Catches `slimspec.evaluate_drafter(...)` (and `slimspec.distill_drafter(...)`) working once: the first call imported
-    `slimspec.evaluate.acceptance`, which bound the package `slimspec.evaluate` over the function, so the README's
-    pipeline loop failed on its second drafter with "'module' object is not callable"."""
+    """Catches an API function that a subpackage of the same name replaces once it is imported (importing
+    `slimspec.evaluate.acceptance` binds the package `slimspec.evaluate`): the README's pipeline loop would fail on
+    its second drafter with "'module' object is not callable"."""
     code = ("import slimspec, slimspec.evaluate.acceptance as a, slimspec.distill.pipeline as d\n"
+            "import slimspec.convert.pipeline, slimspec.workflows.convert\n"
             "a.evaluate = lambda *x, **k: ('evaluate', x, k)\n"
             "d.distill = lambda *x, **k: ('distill', x, k)\n"
-            "print([slimspec.evaluate_drafter('o', num_prompts=2), slimspec.evaluate_drafter('p'), slimspec.distill_drafter('q'), "
-            "slimspec.distill_drafter('r'), callable(slimspec.convert), slimspec.convert_briefly.__name__])")
+            "print([slimspec.evaluate_drafter('o', num_prompts=2), slimspec.evaluate_drafter('p'), "
+            "slimspec.distill_drafter('q'), slimspec.distill_drafter('r'), callable(slimspec.convert_drafter), "
+            "slimspec.convert_briefly.__name__])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ("[('evaluate', ('o',), {'num_prompts': 2}), ('evaluate', ('p',), {}), ('distill', ('q',), {}), "
                    "('distill', ('r',), {}), True, 'convert_briefly']")
@@ -221,8 +223,8 @@ def test_recipe_brief_runs_the_demos_distillation(tmp_path, monkeypatch):
     target, at lr 2e-3, on 128-token answers (0.87 of the drafter teacher's result, BENCHMARKS.md), whatever the
     README recommended. `recipe: brief` must hand `convert` exactly what `convert_briefly` does, and a key the job
     or the defaults give must override the recipe's."""
-    from slimspec.workflows.recipes import convert_briefly
     from slimspec.embedded import EMBEDDED_DRAFTER, EMBEDDED_TARGET
+    from slimspec.workflows.recipes import convert_briefly
 
     seen = _captured_convert(monkeypatch)
     with pytest.raises(RuntimeError, match="stop here"):

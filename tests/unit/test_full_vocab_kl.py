@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from slimspec.distill.loss import full_vocab_kl
-from slimspec.distill.loss import naive_full_vocab_kl
+from slimspec.distill.loss import full_vocab_kl, naive_full_vocab_kl
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 

@@ -7,12 +7,12 @@ it reaches the teacher's cache key on every path that builds teacher data."""
 import pytest
 from click.testing import CliRunner
 
-from slimspec.workflows import batch
 from slimspec import hardware
 from slimspec.distill.pipeline import DataOptions
-from slimspec.prompts import Prompt
 from slimspec.distill.teacher import TeacherSettings, build_teacher_data, cache_key
 from slimspec.errors import SlimSpecError
+from slimspec.prompts import Prompt
+from slimspec.workflows import batch
 
 AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse sse2 fma avx avx2 f16c\nbogomips\t: 4000\n"
 ZEN4 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512_bf16 avx512_vnni\n"

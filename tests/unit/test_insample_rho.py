@@ -1,4 +1,4 @@
-"""scripts/insample_rho.py measures rho_tau on the prompts the demo's distillation fitted and on those it held out."""
+"""research/insample_rho.py measures rho_tau on the prompts the demo's distillation fitted and on those it held out."""
 
 import torch
 

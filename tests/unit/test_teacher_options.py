@@ -9,9 +9,9 @@ import pytest
 
 from slimspec.distill import pipeline, scratch
 from slimspec.distill.pipeline import DataOptions
-from slimspec.prompts import Prompt
 from slimspec.distill.teacher import TeacherSettings, cache_key
 from slimspec.errors import SlimSpecError
+from slimspec.prompts import Prompt
 
 
 def _prompts(tmp_path: Path) -> str:
@@ -69,8 +69,7 @@ def test_prompt_formats_and_the_eval_guard(tmp_path):
     """Catches prompt rows read wrongly (OpenAI content lists became a list, Alpaca inputs were dropped, a
     non-object row crashed with a traceback), a mistyped path reported as an unknown Hub dataset, and training
     prompts that are slimspec's own eval prompts (tau would be measured on the data the head was fitted to)."""
-    from slimspec.prompts import load_prompts
-    from slimspec.prompts import eval_prompts
+    from slimspec.prompts import eval_prompts, load_prompts
 
     rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                        {"type": "image_url", "image_url": "x"}]}]},

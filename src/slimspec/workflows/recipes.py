@@ -65,7 +65,7 @@ def convert_briefly(drafter: str | Path, target: str | Path | None, rank: str | 
                     teacher: str = BRIEF_TEACHER, vocab: str = BRIEF_VOCAB, steps: int | None = None,
                     overwrite: bool = False, progress: bool = False) -> ConvertResult:
     """``convert_drafter`` at ``rank`` with :func:`brief_distillation`'s recipe: what ``make demo`` runs, and what the
-    vLLM tests, the decode benchmark and ``scripts/rank_sweep.py`` measure. Returns the ``ConvertResult``."""
+    vLLM tests, the decode benchmark and ``research/rank_sweep.py`` measure. Returns the ``ConvertResult``."""
     options, config = brief_distillation(steps, teacher)
     if str(target) == EMBEDDED_TARGET or target is None and str(drafter) == EMBEDDED_DRAFTER:
         # float32 answers on every CPU: the key of the answers shipped for this recipe (SHIPPED_ANSWERS)

@@ -7,7 +7,7 @@ i % 10 == 9) and fits the rest. This measures 30 of each (the fitted ones spread
 chat, code, math) and the first 30 mt_bench first turns, all with the reference decoder against the original
 drafter as baseline at the vLLM tests' settings (64 new tokens, K = 3, temperature 0).
 
-    python scripts/insample_rho.py out/distill_variants/brief --out out/insample.jsonl
+    python research/insample_rho.py out/brief --out out/insample.jsonl
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the variation between the tokens' logits, all that softmax sees) that the best r
 drafter's normed states on the demo's calibration prompts (every TTT step), read from the demo's teacher cache.
 It is the whitened spectrum of the (centred) head: no distillation can keep more at that rank.
 
-    python scripts/logit_energy.py                    # the embedded drafter, ranks d/16 ... d/2
+    python research/logit_energy.py                    # the embedded drafter, ranks d/16 ... d/2
 """
 
 from __future__ import annotations
@@ -39,14 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     from dataclasses import replace
 
     from slimspec.checkpoint import load_drafter
+    from slimspec.checkpoint.target_model import load_target_parts, target_of
     from slimspec.convert.factorize import factorize
     from slimspec.distill.pipeline import activation_covariance, lowrank_checkpoint, teacher_for
-    from slimspec.workflows.recipes import brief_distillation
-    from slimspec.model import drafter_model
-    from slimspec.checkpoint.target_model import load_target_parts
     from slimspec.distill.train import split_sequences, student_features
-    from slimspec.checkpoint.target_model import target_of
     from slimspec.hub import resolve_model
+    from slimspec.model import drafter_model
+    from slimspec.workflows.recipes import brief_distillation
 
     ckpt = load_drafter(resolve_model(args.drafter, "drafter"))
     target = load_target_parts(target_of(args.drafter))

@@ -8,8 +8,8 @@ brief distillation against the drafter's own head) and measures tau, original an
 - ``--engine vllm``: vLLM (the .venv-vllm engine), 8 prompts x 64 tokens, 3 draft tokens, float32: the settings
   of tests/e2e/test_vllm.py, whose assertions (0.97 at its served rank, the d/8 floor) come from these numbers.
 
-    python scripts/rank_sweep.py out/reference/smollm2-135m-eagle3-v4 --out ranks.json d/8 d/4
-    python scripts/rank_sweep.py embedded:smollm2-135m-eagle3 --engine vllm --out ranks-vllm.json d/2 d/4 d/8
+    python research/rank_sweep.py out/reference/smollm2-135m-eagle3-v4 --out ranks.json d/8 d/4
+    python research/rank_sweep.py embedded:smollm2-135m-eagle3 --engine vllm --out ranks-vllm.json d/2 d/4 d/8
 
 Writes the JSON after each rank (original tau, and per rank tau, rho = tau / original, acceptance per position).
 """
@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON written after each rank")
     args = parser.parse_args(argv)
 
-    from slimspec.workflows.recipes import convert_briefly
     from slimspec.errors import SlimSpecError
     from slimspec.hub import resolve_model
+    from slimspec.workflows.recipes import convert_briefly
 
     try:
         source = str(resolve_model(args.source, "drafter").resolve())  # vLLM runs from another folder

@@ -7,7 +7,7 @@ sure (top probability > 0.5) or unsure. Comparing the data a head was calibrated
 how far the low-rank head's fit carries (BENCHMARKS.md "Where the rank-72 head loses"). Measuring on eval/
 prompts is allowed; never train on that teacher data.
 
-    python scripts/head_agreement.py out/conv/brief,out/conv/chat300 --data src/slimspec/data/eval/mt_bench.jsonl
+    python research/head_agreement.py out/conv/brief,out/conv/chat300 --data src/slimspec/data/eval/mt_bench.jsonl
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from slimspec.checkpoint import load_drafter
+    from slimspec.checkpoint.target_model import load_target_parts, target_of
     from slimspec.distill.pipeline import DataOptions, teacher_for
-    from slimspec.model import drafter_model
-    from slimspec.checkpoint.target_model import load_target_parts
     from slimspec.distill.train import student_features
-    from slimspec.checkpoint.target_model import target_of
     from slimspec.hub import resolve_model
+    from slimspec.model import drafter_model
 
     def model_of(drafter: str):
         return drafter_model(load_drafter(resolve_model(drafter, "drafter")), parts)
