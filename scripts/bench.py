@@ -1,4 +1,4 @@
-"""`make bench`: measure what the README and issues claim, side by side in one run; write BENCHMARKS.md.
+"""`make bench`: measure what the README and docs/ claim, side by side in one run; write BENCHMARKS.md.
 
 Each measurement runs in a fresh subprocess so peak memory is its own. This machine is noisy: compare
 ratios measured in the same run, not absolute times across runs.
@@ -14,7 +14,6 @@ import resource
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 # as scripts/build_reference_drafter.py sets it (training meets many shapes); before torch is imported
@@ -86,7 +85,7 @@ def bench_factorize() -> list[str]:
     svd = run_child("svd", 32000, 2048, 256)
     best = run_child("optimum", 32000, 2048, 256)
     return [
-        "## Factorisation (SVD init) — issue 2",
+        "## Factorisation (SVD init)",
         "",
         "Gram-matrix eigendecomposition (float64 eigh of W^T W accumulated from fp32 chunks) vs",
         "`torch.linalg.svd(full_matrices=False)`; head-like fp32 matrices with a decaying spectrum.",
@@ -109,7 +108,7 @@ def bench_factorize() -> list[str]:
 
 
 def bench_distill_starts(steps: int = 60) -> list[str]:
-    """Issue 3: which start of the stitched full-vocab head distils best (step-0 KL, KL after N steps)."""
+    """Which start of the stitched full-vocab head distils best (step-0 KL, KL after N steps)."""
     import tempfile
 
     from slimspec.workflows.convert import convert_drafter
@@ -128,7 +127,7 @@ def bench_distill_starts(steps: int = 60) -> list[str]:
         rows.append(f"| {stitch} rows, {init} init | {res.report['init_kl'][init]['step0_kl']:.4f} | "
                     f"{d['losses'][9]:.4f} | {d['kl_after']:.4f} | {d['tokens_per_second']:.0f} |")
     return [
-        "## Distillation starts on the embedded target — issue 3",
+        "## Distillation starts on the embedded target",
         "",
         f"Drafter: `{drafter}`, rank d/8 over the full vocabulary; teacher: SmolLM2-135M-Instruct on the 300",
         f"shipped calibration prompts with regenerated 64-token answers; {steps} head-only steps (3 TTT steps,",
@@ -156,7 +155,7 @@ def child_head(vocab: int, hidden: int, rank: int, batch: int, bf16: int) -> dic
 
 
 def bench_head() -> list[str]:
-    """Issue 4: nu at V=128256, d=4096, r=512, batch 1 and 64, fp32 and bf16 (torch on this CPU)."""
+    """nu at V=128256, d=4096, r=512, batch 1 and 64, fp32 and bf16 (torch on this CPU)."""
     rows = []
     for bf16 in (0, 1):
         for batch in (1, 64):
@@ -164,7 +163,7 @@ def bench_head() -> list[str]:
             rows.append(f"| {r['dtype']} | {batch} | {r['full_s'] * 1e3:.2f} | {r['lowrank_s'] * 1e3:.2f} | "
                         f"{r['nu']:.3f} | {r['flop_floor']:.3f} |")
     return [
-        "## Head latency ratio nu — issue 4",
+        "## Head latency ratio nu",
         "",
         "Greedy head step (logits + argmax), full 128256 x 4096 head vs the r=512 pair, plain torch on this CPU,",
         "median of 15 timed batches each, both heads in the same process.",
@@ -181,7 +180,7 @@ TARGET = "embedded:smollm2-135m"
 
 
 def bench_plane() -> list[str]:
-    """Issues 4 and 5: the acceptance-cost plane of the reference drafter (SlimSpec d/2..d/16 over the full
+    """The acceptance-cost plane of the reference drafter (SlimSpec d/2..d/16 over the full
     and the draft vocabulary, each briefly distilled; VocabTrim and FR-Spec trims)."""
     from slimspec.workflows.plane import build_plane
     from slimspec.evaluate.plane import plane_report
@@ -192,7 +191,7 @@ def bench_plane() -> list[str]:
                          distill_steps=60, num_prompts=8, max_new_tokens=96, progress=False)
     report = plane_report(points, (0.25, 0.5, 1.0), out, f"{REFERENCE} on {TARGET}")
     return [
-        "## Acceptance-cost plane of the reference drafter — issues 4 and 5",
+        "## Acceptance-cost plane of the reference drafter",
         "",
         f"`slimspec bench plane {REFERENCE}` (reference speculative decoding, K=4, greedy, 8 mt_bench prompts,",
         "96 new tokens). SlimSpec points: each rank over the stitched full vocabulary (49152 rows) and over the",
@@ -209,7 +208,7 @@ def bench_plane() -> list[str]:
 
 
 def bench_decode() -> list[str]:
-    """Issues 4, 5 and 6: tau and tokens/s of the reference drafter and its d/8 and d/4 conversions (demo's brief
+    """tau and tokens/s of the reference drafter and its d/8 and d/4 conversions (demo's brief
     distillation), reference decoder and vLLM side by side."""
     import tempfile
 
@@ -236,7 +235,7 @@ def bench_decode() -> list[str]:
                         f"{ev['tokens_per_second']:.1f} | {ref['rho_tau']:.3f} | {ev['rho_tau']:.3f} |")
     recipes = "; ".join(f"against the {t}, {p or 'all'} prompts, lr {lr:g}" for t, (p, _, lr) in BRIEF_RECIPES.items())
     return [
-        "## Speculative decoding on the embedded model — issues 4, 5 and 6",
+        "## Speculative decoding on the embedded model",
         "",
         "Reference drafter and its rank-d/8 and d/4 conversions (brief distillation, head only, shipped calibration",
         f"prompts with 64-token regenerated answers: {recipes}; the drafter teacher's is the demo's recipe),",
@@ -308,8 +307,8 @@ def bench_teacher(num_prompts: int = 128, new_tokens: int = 128) -> list[str]:
 
 
 def bench_teacher_rebuild(num_prompts: int = 128, new_tokens: int = 128, batch: int = 128) -> list[str]:
-    """Static-engine teacher data three ways side by side: decode-step attention through CPU SDPA (enable_gqa, the
-    code before session 23), grouped by kv head (now), and rebuilt from saved answers (batched forwards only)."""
+    """Static-engine teacher data three ways side by side: decode-step attention through CPU SDPA (enable_gqa), grouped
+    by kv head (what the static engine runs), and rebuilt from saved answers (batched forwards only)."""
     import tempfile
 
     import torch.nn.functional as F
@@ -403,7 +402,7 @@ def bench_generation_dtype(num_prompts: int = 32, new_tokens: int = 64) -> list[
         f"`build_teacher_data` (static engine) on the embedded target: the first {num_prompts} shipped calibration "
         f"prompts in one batch, greedy {new_tokens}-token answers, fresh cache each. CPU {_cpu_name()}, flags "
         f"{', '.join(flags) or 'none of avx2/avx512f/avx512_bf16/amx_bf16'}; default here: "
-        f"**{default_generation_dtype()}** (bf16 only with avx512_bf16 or amx_bf16). Session 35 (AVX2-only AMD EPYC):",
+        f"**{default_generation_dtype()}** (bf16 only with avx512_bf16 or amx_bf16). On an AVX2-only AMD EPYC,",
         "emulated bf16 made the demo's 300 answers take 20 min instead of ~2.5.",
         "",
         "| answering copy | seconds | tokens/s (prompt + answer) | float32 time / this |",
@@ -490,7 +489,7 @@ def bench_train_step(repeats: int = 5) -> list[str]:
             f"{median[(bf16, fused)]:.2f} | {positions / median[(bf16, fused)]:.0f} | "
             f"{base / median[(bf16, fused)]:.2f}x | {losses[(bf16, fused)]:.4f} |" for bf16, fused in variants]
     return [
-        "## Training step: fp32 vs --bf16, fused vs op-by-op KL — issue 5",
+        "## Training step: fp32 vs --bf16, fused vs op-by-op KL",
         "",
         f"One from-scratch step of a SmolLM2-135M-shaped drafter ({positions} positions, 3 TTT steps, draft vocab "
         f"8192: forward, KL over the draft vocab, backward), median of {repeats}, the four interleaved; "
@@ -553,7 +552,7 @@ def bench_train_batch(steps: int = 12) -> list[str]:
         gaps.append(abs(l1 - l0) / abs(l0))
     median = {k: sorted(v)[steps // 2] for k, v in times.items()}
     return [
-        "## Training step: one sequence at a time vs padded batches — issue 5",
+        "## Training step: one sequence at a time vs padded batches",
         "",
         f"A `--stage train --bf16` step of a SmolLM2-135M-shaped drafter (~2048 positions of sequences drawn "
         f"afresh each step, lengths like the v4 teacher caches': mean 201, sd 38), median of {steps} interleaved "
@@ -564,7 +563,7 @@ def bench_train_batch(steps: int = 12) -> list[str]:
         "",
         "| sequences | seconds / step | speed-up |",
         "|---|---|---|",
-        f"| one at a time (before) | {median[False]:.2f} | 1.00x |",
+        f"| one at a time | {median[False]:.2f} | 1.00x |",
         f"| padded batches | {median[True]:.2f} | {median[False] / median[True]:.2f}x |",
         "",
     ]
@@ -572,7 +571,7 @@ def bench_train_batch(steps: int = 12) -> list[str]:
 
 def bench_teacher_table(repeats: int = 5, table_rows: int = 4096) -> list[str]:
     """One head-only distillation step of the demo's recipe (d/8 of the reference drafter: 2048 positions x 3 TTT
-    steps, draft vocab 8192, drafter teacher [8192, 577]) with the teacher multiplied out per step (before) and
+    steps, draft vocab 8192, drafter teacher [8192, 577]) with the teacher multiplied out per step and
     read from a precomputed table (fp32, fp16), interleaved; and what building the table costs per row."""
     import types
 
@@ -595,7 +594,7 @@ def bench_teacher_table(repeats: int = 5, table_rows: int = 4096) -> list[str]:
 
     tables = {dtype: teacher_table(weight, rows_of, teacher_head, dtype=dtype) for dtype in (torch.float32,
                                                                                              torch.float16)}
-    variants = {"teacher multiplied out per step (before)": (None, False),
+    variants = {"teacher multiplied out per step": (None, False),
                 "fp32 table, batch gathered, then its kept rows": (torch.float32, True),
                 "fp32 table": (torch.float32, False), "fp16 table": (torch.float16, False)}
 
@@ -605,7 +604,7 @@ def bench_teacher_table(repeats: int = 5, table_rows: int = 4096) -> list[str]:
         rows = torch.randperm(batch, generator=g)  # the batch's rows, as in training
         if dtype is None:
             logits, table_rows = None, None
-        else:  # one gather of the kept rows per TTT step (training), or the whole batch first (session 36)
+        else:  # one gather of the kept rows per TTT step (training), or the whole batch first
             logits, table_rows = (tables[dtype][rows], None) if twice else (tables[dtype], rows)
         loss, _ = kl_terms(drafter, hidden[rows], index, weight, None, teacher_head, 0.8, kind="drafter",
                            teacher_logits=logits, teacher_rows=table_rows)
@@ -628,11 +627,11 @@ def bench_teacher_table(repeats: int = 5, table_rows: int = 4096) -> list[str]:
     teacher_table(build_weight, lambda part, i: teacher_hidden(many[part, i], index[:1, 0].expand(part.stop
                   - part.start), None, "drafter"), teacher_head)
     per_row = (time.perf_counter() - started) / table_rows
-    base = median["teacher multiplied out per step (before)"]
+    base = median["teacher multiplied out per step"]
     lines = [f"| {name} | {median[name]:.2f} | {base / median[name]:.2f}x | {losses[name]:.5f} |" for name in variants]
     saved = base - median["fp32 table"]
     return [
-        "## Head-only distillation step: precomputed teacher table — issue 5 (demo time)",
+        "## Head-only distillation step: precomputed teacher table",
         "",
         f"One step of the demo's brief distillation at d/8 ({batch} positions x {k} TTT steps, draft vocab {vocab}, "
         f"rank {rank}; teacher: the source head [{vocab}, {d + 1}] on the student's frozen states), forward + "
@@ -675,7 +674,7 @@ def main() -> int:
     header = [
         "# Benchmarks",
         "",
-        f"Written by `make bench` on {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}: {platform.machine()}, "
+        f"Written by `make bench`: {platform.machine()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}. Noisy shared machine: read ratios measured "
         "side by side in this run, not absolute times.",
         "",
@@ -684,6 +683,8 @@ def main() -> int:
     for name in args.only or SECTIONS:
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
         lines = SECTIONS[name]()
+        # each section says how to re-measure it alone
+        lines = [lines[0], "", f"Reproduce: `.venv/bin/python scripts/bench.py --only {name}`.", *lines[1:]]
         fresh[lines[0]] = lines
         print("\n".join(lines))
     # Read the file only now, so edits made while a long section ran survive; keep its notes under the header.
