@@ -31,8 +31,8 @@ from slimspec.evaluate.plane import plane_report
 from slimspec.hardware import resolve_device
 from slimspec.hub import HUB_ID, resolve_model
 from slimspec.inspection import inspect_drafter
+from slimspec.workflows import convert as conversion
 from slimspec.workflows.batch import run_batch
-from slimspec.workflows.convert import convert_drafter as run_convert
 from slimspec.workflows.plane import build_plane, convert_rank_auto
 from slimspec.workflows.publish import push as run_push
 from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_command, brief_keys
@@ -322,10 +322,10 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
         saved = json.loads((out / "slimspec.json").read_text())
         result = ConvertResult(out=out, rank=saved["rank"], report=saved)
     else:
-        result = run_convert(drafter, target, rank, vocab=vocab, out=out, dtype=dtype, overwrite=overwrite,
-                             revision=revision, target_revision=target_revision, progress=not quiet,
-                             stitch=stitch, init=init,
-                             distill_steps=distill_steps, data_options=options, distill_config=cfg)
+        result = conversion.convert_drafter(drafter, target, rank, vocab=vocab, out=out, dtype=dtype,
+                                            overwrite=overwrite, revision=revision, target_revision=target_revision,
+                                            progress=not quiet, stitch=stitch, init=init, distill_steps=distill_steps,
+                                            data_options=options, distill_config=cfg)
     report = {"out": str(result.out), **result.report}
     if "distill" not in report:
         warnings.warn(f"{result.out} is not distilled: a conversion without --distill-steps can lose most of the "

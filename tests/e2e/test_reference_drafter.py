@@ -10,9 +10,9 @@ import torch
 from slimspec import embedded
 from slimspec.checkpoint import load_drafter
 from slimspec.checkpoint.target_model import chat_ids, load_target_model
-from slimspec.prompts import eval_prompts
 from slimspec.evaluate.acceptance import load_for_eval, target_greedy
 from slimspec.evaluate.spec_decode import SpeculativeDecoder
+from slimspec.prompts import eval_prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -21,9 +21,9 @@ import torch
 
 import slimspec
 from slimspec import embedded
-from slimspec.workflows.recipes import convert_briefly
-from slimspec.prompts import eval_prompts
 from slimspec.evaluate.vllm_engine import evaluate_vllm, run_vllm_check, vllm_python
+from slimspec.prompts import eval_prompts
+from slimspec.workflows.recipes import convert_briefly
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -92,7 +92,8 @@ def drafters(target, tmp_path_factory) -> dict[str, Path]:
     draft = os.environ.get("SLIMSPEC_TEST_CONVERTED") or convert_briefly(
         str(original), embedded.EMBEDDED_TARGET, SERVED_RANK, tmp / "draft").out
     draft8 = convert_briefly(str(original), embedded.EMBEDDED_TARGET, "d/8", tmp / "draft8").out
-    full = slimspec.convert_drafter(str(original), embedded.EMBEDDED_TARGET, "d/8", out=tmp / "full", progress=False).out
+    full = slimspec.convert_drafter(str(original), embedded.EMBEDDED_TARGET, "d/8", out=tmp / "full",
+                                    progress=False).out
     return {"original": Path(original), "full": Path(full), "draft": Path(draft), "draft8": Path(draft8)}
 
 
@@ -332,7 +333,8 @@ def test_draft_vocab_checkpoint_missing_d2t_is_refused(target, tmp_path):
     from safetensors.torch import load_file, save_file
 
     original = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)
-    broken = slimspec.convert_drafter(str(original), embedded.EMBEDDED_TARGET, "d/8", vocab="draft", out=tmp_path / "no-d2t",
+    broken = slimspec.convert_drafter(str(original), embedded.EMBEDDED_TARGET, "d/8", vocab="draft",
+                                      out=tmp_path / "no-d2t",
                               progress=False).out
     tensors = load_file(broken / "model.safetensors")
     del tensors["d2t"]

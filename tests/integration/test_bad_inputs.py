@@ -162,12 +162,12 @@ def test_real_process_has_no_traceback(tmp_path, pair):
 
 def test_success_output_is_complete_or_absent(tmp_path, pair, monkeypatch):
     """A failure mid-write (here: in verification) leaves no folder that looks finished."""
-    import slimspec.convert.pipeline as pipeline
+    import slimspec.workflows.convert as conversion
 
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(pipeline, "verify_folder", boom)
+    monkeypatch.setattr(conversion, "verify_folder", boom)
     result = _run([pair[0], "-t", pair[1]], tmp_path)
     assert result.exit_code != 0
     assert not (tmp_path / "out").exists()

@@ -162,7 +162,8 @@ def test_rerun_with_eval_prompts_measures_and_records_tau(tiny_target, tmp_path)
 
 def test_import_is_light_and_api_is_complete():
     """`import slimspec` must not import torch, vLLM, Triton or transformers; the documented API resolves."""
-    code = ("import sys, slimspec; heavy = [m for m in ('torch', 'vllm', 'triton', 'transformers') if m in sys.modules];"
+    code = ("import sys, slimspec; heavy = [m for m in ('torch', 'vllm', 'triton', 'transformers') "
+            "if m in sys.modules];"
             "print(heavy); print(all(callable(getattr(slimspec, n)) for n in "
             "('convert_drafter', 'convert_briefly', 'distill_drafter', 'evaluate_drafter', 'push', 'factorize')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
@@ -200,7 +201,7 @@ def test_device_is_a_job_option_outside_the_fingerprint(tmp_path, monkeypatch):
         seen["device"] = data_options.device
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr("slimspec.convert.pipeline.convert", fake_convert)
+    monkeypatch.setattr("slimspec.workflows.convert.convert_drafter", fake_convert)
     result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.json")])
     assert seen == {"device": "cpu"}, result.output
 
@@ -214,7 +215,7 @@ def _captured_convert(monkeypatch):
                      "steps": kw["distill_steps"], "options": kw["data_options"], "config": kw["distill_config"]})
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr("slimspec.convert.pipeline.convert", capture)
+    monkeypatch.setattr("slimspec.workflows.convert.convert_drafter", capture)
     return seen
 
 

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 import slimspec
 from slimspec.checkpoint import load_drafter
 from slimspec.checkpoint.files import _load_bin
+from slimspec.checkpoint.target_model import aux_layers_for
 from slimspec.checkpoint.writer import remove_stale_temps
 from slimspec.cli import main
-from slimspec.checkpoint.target_model import aux_layers_for
 from slimspec.errors import CheckpointError, SlimSpecError, SlimSpecWarning
 from tests.layouts import Spec, write_drafter, write_target
 
@@ -292,7 +292,8 @@ def test_output_folder_never_contains_an_input(tmp_path):
                              progress=False)
     assert (tmp_path / "models" / "d" / "config.json").exists() and (tmp_path / "t" / "model.safetensors").exists()
     with pytest.raises(SlimSpecError, match="--init must be"):
-        slimspec.convert_drafter(str(tmp_path / "models" / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o", init="whitend",
+        slimspec.convert_drafter(str(tmp_path / "models" / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o",
+                                 init="whitend",
                          progress=False)
 
 

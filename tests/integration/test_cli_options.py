@@ -109,8 +109,9 @@ def test_an_undistilled_conversion_says_so(tmp_path):
 def test_a_distilled_conversion_does_not_warn(tmp_path, monkeypatch):
     """Catches the not-distilled warning on a conversion that did distil (its report holds "distill")."""
     import slimspec.convert.pipeline as pipeline
+    import slimspec.workflows.convert as conversion
 
-    monkeypatch.setattr(pipeline, "convert", lambda *a, **kw: pipeline.ConvertResult(
+    monkeypatch.setattr(conversion, "convert_drafter", lambda *a, **kw: pipeline.ConvertResult(
         out=tmp_path / "o", rank=72, report={"distill": {"steps": 2}}))
     result = CliRunner().invoke(main, ["convert", "embedded:smollm2-135m-eagle3", "--distill-steps", "2", "--json"])
     assert result.exit_code == 0, result.output
@@ -143,7 +144,8 @@ def test_revisions_go_to_their_own_model(pair, tmp_path, monkeypatch):
         return real(name, role)
 
     monkeypatch.setattr(hub, "resolve_model", recording)
-    convert_drafter(str(pair[0]), str(pair[1]), 8, out=tmp_path / "o", revision="r1", target_revision="main", progress=False)
+    convert_drafter(str(pair[0]), str(pair[1]), 8, out=tmp_path / "o", revision="r1", target_revision="main",
+                    progress=False)
     assert calls == [(str(pair[0]), "drafter", "r1"), (str(pair[1]), "target", "main")]
 
 
@@ -173,8 +175,9 @@ def test_demo_command_line_is_the_demo_recipe(monkeypatch, tmp_path):
     import shlex
 
     import slimspec.convert.pipeline as pipeline
-    from slimspec.workflows.recipes import brief_command, convert_briefly
+    import slimspec.workflows.convert as conversion
     from slimspec.embedded import EMBEDDED_DRAFTER, EMBEDDED_TARGET
+    from slimspec.workflows.recipes import brief_command, convert_briefly
 
     seen = []
 
@@ -183,7 +186,7 @@ def test_demo_command_line_is_the_demo_recipe(monkeypatch, tmp_path):
                      "steps": kw["distill_steps"], "options": kw["data_options"], "config": kw["distill_config"]})
         return pipeline.ConvertResult(out=tmp_path, rank=72, report={})
 
-    monkeypatch.setattr(pipeline, "convert", capture)
+    monkeypatch.setattr(conversion, "convert_drafter", capture)
     convert_briefly(EMBEDDED_DRAFTER, EMBEDDED_TARGET, "d/8", tmp_path / "o")
     command = brief_command(EMBEDDED_DRAFTER)
     assert "--generation-dtype float32" in command
@@ -224,6 +227,7 @@ def test_data_options_a_conversion_reads_are_accepted(args, tmp_path, monkeypatc
     """Catches the unread-option refusal firing on conversions that do read the data: a whitened start reads the
     prompts, aux layers and TTT unroll without any step, and any --distill-steps reads them all."""
     import slimspec.convert.pipeline as pipeline
+    import slimspec.workflows.convert as conversion
 
     seen = []
 
@@ -231,7 +235,7 @@ def test_data_options_a_conversion_reads_are_accepted(args, tmp_path, monkeypatc
         seen.append(kw)
         raise pipeline.SlimSpecError("stop here")
 
-    monkeypatch.setattr(pipeline, "convert", capture)
+    monkeypatch.setattr(conversion, "convert_drafter", capture)
     result = CliRunner().invoke(main, ["convert", "embedded:smollm2-135m-eagle3", "-o", str(tmp_path / "o"), *args])
     assert "stop here" in result.output and len(seen) == 1, result.output
     assert seen[0]["data_options"].aux_layers in (None, [1, 2, 3])

@@ -64,7 +64,8 @@ def test_draft_vocab_keeps_d2t(tmp_path):
     """Catches --vocab draft dropping or corrupting d2t (frequency-ordered ModelOpt source)."""
     written = write_drafter(tmp_path / "d", "modelopt", Spec())
     write_target(tmp_path / "t")
-    slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 5, vocab="draft", out=tmp_path / "o", progress=False)
+    slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 5, vocab="draft", out=tmp_path / "o",
+                             progress=False)
     with safe_open(str(tmp_path / "o" / "model.safetensors"), "pt") as f:
         assert torch.equal(f.get_tensor("d2t"), written["d2t"])
         up, down = f.get_tensor("lm_head.weight"), f.get_tensor("lm_head_down.weight")
@@ -83,10 +84,12 @@ def test_a_conversion_converted_again_only_shrinks(tmp_path):
 
     write_drafter(tmp_path / "d", "eagle", Spec(draft_vocab=97))
     write_target(tmp_path / "t")
-    slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, vocab="draft", out=tmp_path / "r8", progress=False)
+    slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, vocab="draft", out=tmp_path / "r8",
+                             progress=False)
     with pytest.raises(SlimSpecError, match="already a rank-8 pair: a rank-8 pair adds only zero directions"):
         slimspec.convert_drafter(str(tmp_path / "r8"), None, 8, vocab="draft", out=tmp_path / "again", progress=False)
-    smaller = slimspec.convert_drafter(str(tmp_path / "r8"), None, 4, vocab="draft", out=tmp_path / "r4", progress=False)
+    smaller = slimspec.convert_drafter(str(tmp_path / "r8"), None, 4, vocab="draft", out=tmp_path / "r4",
+                                       progress=False)
     assert smaller.report["head_params_source"] == 8 * (97 + 32) and smaller.report["head_params"] == 4 * (97 + 32)
     assert smaller.report["head_rows_source"] == 97  # what `slimspec bench` times the full head at
     # a stitched full-vocabulary head has target rows beside the pair's: any rank below d is worth converting to

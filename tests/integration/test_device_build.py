@@ -8,8 +8,8 @@ import torch
 
 import slimspec.distill.teacher as teacher
 from slimspec.distill.answers import save_answers
-from slimspec.prompts import Prompt
 from slimspec.distill.teacher import TeacherSettings, build_teacher_data, teacher_location
+from slimspec.prompts import Prompt
 
 PROMPTS = [Prompt(id=str(i), text=f"Say {word} twice.") for i, word in enumerate(["red", "blue", "green"])]
 

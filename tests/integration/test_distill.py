@@ -9,13 +9,13 @@ import torch
 from click.testing import CliRunner
 
 import slimspec
+from slimspec.checkpoint.target_model import load_target_model
 from slimspec.cli import main
 from slimspec.distill.pipeline import DataOptions, distill
-from slimspec.prompts import Prompt, load_prompts
 from slimspec.distill.teacher import TeacherSettings, build_teacher_data
-from slimspec.checkpoint.target_model import load_target_model
 from slimspec.distill.train import DistillConfig, _sequence_inputs
 from slimspec.errors import SlimSpecError
+from slimspec.prompts import Prompt, load_prompts
 from tests.layouts import Spec, write_drafter
 
 pytestmark = pytest.mark.slow
@@ -67,9 +67,9 @@ def test_features_hold_answer_positions_only(tiny_converted, tiny_target, tmp_pa
     """Catches batches drawn from prompt positions (zero loss weight at every TTT step): they shrank the real
     batch by more than half on the calibration prompts."""
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.model import drafter_model
     from slimspec.checkpoint.target_model import load_target_parts
     from slimspec.distill.train import student_features, student_outputs
+    from slimspec.model import drafter_model
 
     prompts = [Prompt("a", "Say hi."), Prompt("b", "Count to three, slowly please.")]
     data = build_teacher_data(tiny_target, prompts, TeacherSettings(max_new_tokens=6, aux_layers=(1, 2, 3)),
@@ -92,11 +92,10 @@ def test_distill_balances_a_lopsided_low_rank_head_first(tiny_converted, tiny_ta
     (conversions made before the whitened start was balanced: Adam then moved ``w_down`` in huge relative steps
     and ``w_up`` hardly at all). Before the first step each component's two norms must match, the logits kept."""
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.model import drafter_model
     from slimspec.checkpoint.target_model import load_target_parts
     from slimspec.distill.pipeline import teacher_head_for
     from slimspec.distill.train import train_drafter
-    from slimspec.model import LowRankHead
+    from slimspec.model import LowRankHead, drafter_model
 
     parts = load_target_parts(str(tiny_target))
     drafter = drafter_model(load_drafter(tiny_converted), parts)
@@ -343,7 +342,8 @@ def test_from_scratch_trains_an_eagle_layout_drafter(tiny_target, tmp_path):
     ckpt = load_drafter(tmp_path / "scratch")
     assert ckpt.layout == "eagle" and ckpt.config.draft_vocab_size == 300 and ckpt.dtype == torch.float16
     assert ckpt.tensors["t2d"].sum() == 300
-    res = slimspec.convert_drafter(str(tmp_path / "scratch"), str(tiny_target), 4, out=tmp_path / "conv", progress=False)
+    res = slimspec.convert_drafter(str(tmp_path / "scratch"), str(tiny_target), 4, out=tmp_path / "conv",
+                                   progress=False)
     assert res.report["rows_from_drafter"] == 300
 
 
@@ -471,10 +471,10 @@ def test_drafter_teacher_recovers_the_source_head(tiny_target, tmp_path):
     head against the source drafter, its argmax must agree with the source head's on held-out drafter states
     more often than the SVD start does, and the held-out KL to the source must fall."""
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.model import drafter_model
     from slimspec.checkpoint.target_model import load_target_parts
     from slimspec.distill.pipeline import teacher_for
     from slimspec.distill.train import split_sequences, student_features
+    from slimspec.model import drafter_model
 
     write_drafter(tmp_path / "drafter", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32))
     options = DataOptions(num_prompts=8, responses="regenerate", max_new_tokens=16)
@@ -528,10 +528,10 @@ def test_drafter_teacher_with_backbone_scores_the_frozen_source(tiny_target, tmp
     could then shift its states to agree with itself): the reported held-out KL after training must equal a
     float64 KL between the source head on the source drafter's states and the trained student on its own."""
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.distill.pipeline import distill_teacher_head, teacher_for
-    from slimspec.model import drafter_model
     from slimspec.checkpoint.target_model import load_target_parts
-    from slimspec.distill.train import train_drafter, source_states, split_sequences, student_features
+    from slimspec.distill.pipeline import distill_teacher_head, teacher_for
+    from slimspec.distill.train import source_states, split_sequences, student_features, train_drafter
+    from slimspec.model import drafter_model
 
     write_drafter(tmp_path / "drafter", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32))
     options = DataOptions(num_prompts=8, responses="regenerate", max_new_tokens=16)

@@ -8,9 +8,9 @@ from click.testing import CliRunner
 
 from slimspec.cli import main
 from slimspec.convert.rank import parse_rank
-from slimspec.workflows.recipes import brief_distillation
 from slimspec.evaluate.cost import predicted_speedup
 from slimspec.evaluate.plane import PlanePoint, best_rank, plane_table
+from slimspec.workflows.recipes import brief_distillation
 from tests.layouts import Spec, write_drafter
 
 pytestmark = pytest.mark.slow

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
+from slimspec.checkpoint.target_model import load_target_model
 from slimspec.distill.answers import answers_in_progress, answers_of_cache, load_answers, save_answers
-from slimspec.prompts import Prompt
 from slimspec.distill.static_decode import static_decode, static_prefill
 from slimspec.distill.teacher import TeacherSettings, build_teacher_data, teacher_location
-from slimspec.checkpoint.target_model import load_target_model
 from slimspec.errors import SlimSpecError
+from slimspec.prompts import Prompt
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["Say hi.", "Count to three, slowly please, and then stop.", "Why is the sky blue? Answer briefly.", "Go",
@@ -102,10 +102,10 @@ def test_shipped_answers_match_the_embedded_brief_recipe():
     reference drafter (a changed setting, prompt file or cache version: the demo would silently decode again)."""
     from slimspec import embedded
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.workflows.recipes import brief_distillation
-    from slimspec.prompts import load_prompts
-    from slimspec.distill.teacher import SHIPPED_ANSWERS
     from slimspec.checkpoint.target_model import aux_layers_for
+    from slimspec.distill.teacher import SHIPPED_ANSWERS
+    from slimspec.prompts import load_prompts
+    from slimspec.workflows.recipes import brief_distillation
 
     options, _ = brief_distillation()
     ckpt = load_drafter(embedded.reference_drafter_path())

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from slimspec.prompts import Prompt
+from slimspec.checkpoint.target_model import chat_ids, load_target_model
 from slimspec.distill.static_decode import static_decode, supports
 from slimspec.distill.teacher import TeacherSettings, build_teacher_data
-from slimspec.checkpoint.target_model import chat_ids, load_target_model
+from slimspec.prompts import Prompt
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["Say hi.", "Count to three, slowly please, and then stop.", "Why is the sky blue? Answer briefly.", "Go"]

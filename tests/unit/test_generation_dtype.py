@@ -78,7 +78,7 @@ def test_cli_and_batch_reach_the_teacher(tmp_path, monkeypatch):
         seen.append(data_options.generation_dtype)
         raise SlimSpecError("stop here")
 
-    monkeypatch.setattr("slimspec.convert.pipeline.convert", fake_convert)
+    monkeypatch.setattr("slimspec.workflows.convert.convert_drafter", fake_convert)
     for flag, expected in (("float32", "float32"), ("auto", None)):
         result = CliRunner().invoke(main, ["convert", "some/drafter", "--generation-dtype", flag,
                                            "--distill-steps", "1", "-o", str(tmp_path / "out")])

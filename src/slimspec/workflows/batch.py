@@ -23,7 +23,7 @@ from slimspec.errors import RankError, SlimSpecError, SlimSpecWarning, first_lin
 from slimspec.evaluate.acceptance import evaluate, record_tau
 from slimspec.hardware import resolve_device
 from slimspec.hub import HUB_ID
-from slimspec.workflows.convert import convert_drafter
+from slimspec.workflows import convert as conversion
 from slimspec.workflows.publish import push
 from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_keys
 
@@ -291,7 +291,7 @@ def run_job(job: dict[str, Any]) -> JobResult:
                               aux_layers=job.get("aux_layers"), aux_convention=job.get("aux_convention"))
         config = DistillConfig(steps=int(job.get("distill_steps", 0)),
                                **{key: job[key] for key in DISTILL_CONFIG_KEYS if job.get(key) is not None})
-        result = convert_drafter(
+        result = conversion.convert_drafter(
             str(job["drafter"]), job.get("target"), job.get("rank", "d/8"), vocab=job.get("vocab", "full"), out=out,
             dtype=job.get("dtype"), revision=job.get("revision"),
             overwrite=bool(job.get("overwrite")) or written_by_batch(out), target_revision=job.get("target_revision"),
