@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from slimspec import embedded
+from slimspec.checkpoint.drafter import load_drafter
 from slimspec.checkpoint.files import read_json, read_tensors, weight_map
 from slimspec.checkpoint.target import EMBED_NAMES, load_target_head, text_config
 from slimspec.errors import SlimSpecError
@@ -135,9 +136,6 @@ def target_of(drafter: str, ckpt=None) -> str:
     """The target a drafter names (our slimspec.json metadata or its config), or the embedded target for
     embedded drafters; SlimSpecError if none. ``ckpt``: the drafter, when already loaded."""
     if ckpt is None:
-        from slimspec.checkpoint import load_drafter
-        from slimspec.hub import resolve_model
-
         ckpt = load_drafter(resolve_model(drafter, "drafter"))
 
     target = ckpt.named_target

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from slimspec import __version__
 from slimspec.checkpoint.drafter import DrafterConfig, rope_of
 from slimspec.checkpoint.target_model import TargetParts, aux_layers_for, load_target_parts
 from slimspec.checkpoint.writer import (
@@ -22,6 +23,8 @@ from slimspec.checkpoint.writer import (
     save_tensors,
     write_json,
 )
+from slimspec.convert.factorize import factorize
+from slimspec.convert.pipeline import portable
 from slimspec.distill.pipeline import DataOptions
 from slimspec.distill.teacher import TeacherData, TeacherSettings, build_teacher_data
 from slimspec.distill.train import (
@@ -82,8 +85,6 @@ def init_drafter(config: DrafterConfig, target: TargetParts, draft_ids: torch.Te
     if rank is None:
         head = FullHead(rows)
     else:
-        from slimspec.convert.factorize import factorize
-
         head = LowRankHead(*factorize(rows, rank))
     d2t = draft_ids - torch.arange(draft_ids.numel()) if draft_ids.numel() != config.vocab_size else None
     drafter = Eagle3Drafter(config, head=head, embed_weight=target.embedding, d2t=d2t)
@@ -182,9 +183,6 @@ def write_eagle_layout(drafter: Eagle3Drafter, config: DrafterConfig, draft_ids:
             torch.save(tensors, tmp / "pytorch_model.bin")
             write_json(tmp / "config.json", eagle_config_json(config, config.draft_vocab_size))
         else:
-            from slimspec import __version__
-            from slimspec.convert.pipeline import portable
-
             tensors.pop("t2d", None)  # a SlimSpec checkpoint carries d2t only, as conversions do
             meta = {"version": __version__, "vocab_mode": "draft", "source_drafter": None,
                     "source_layout": "from-scratch", "aux_convention": "input", "target": portable(target)}

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from slimspec.errors import SlimSpecError
 
@@ -69,8 +70,6 @@ def teacher_table(weight: torch.Tensor, teacher_rows: Callable[[slice, int], tor
     ``teacher_rows(slice, i)`` gives the teacher's input rows [n, H_t] of step i (float32). Computed in float32,
     stored in ``dtype``, on ``weight``'s device (``teacher_head`` and the rows must be there too).
     """
-    from tqdm.auto import tqdm
-
     rows, steps = weight.shape
     vocab = teacher_head.shape[0]
     chunk = max(1, min(chunk, 2**26 // max(vocab, 1)))  # one chunk's float32 logits: at most 256 MiB

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from slimspec.checkpoint import load_drafter
 from slimspec.checkpoint.target_model import (
@@ -99,8 +100,6 @@ def _decode_runs(drafter: str, target: str | None, baseline: str | None, prompts
                  ) -> tuple[dict[str, Any], dict[str, list[list[int]]], str, str]:
     """Reference decodes of ``prompts`` by ``drafter`` (and ``baseline``) on ``where``: (stats per run, outputs per
     run, the target's name, its folder). The models live only inside this call."""
-    from tqdm.auto import tqdm
-
     model, layers, parts, target = load_for_eval(drafter, target)
     target_model, tokenizer = load_target_model(parts.path, device=where)
     runs = [("drafter", model.to(where), layers)]

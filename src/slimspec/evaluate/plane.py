@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from slimspec.evaluate.cost import predicted_speedup
 
 
@@ -45,8 +47,6 @@ def plot_plane(points: list[PlanePoint], kappas: tuple[float, ...], path: Path, 
     from slimspec.plotting import pyplot
 
     plt = pyplot()
-    import numpy as np
-
     fig, ax = plt.subplots(figsize=(7, 5))
     nus = np.linspace(0, 1.05, 100)
     for k in kappas:
