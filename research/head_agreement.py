@@ -1,4 +1,4 @@
-"""Does a converted head pick the source head's token on the same hidden states? (issue 5, d/8 rho_tau)
+"""Does a converted head pick the source head's token on the same hidden states? (d/8 rho_tau)
 
 Teacher-forced, per TTT step, on the answer positions of some teacher data (target answers to prompts): the
 source drafter's argmax accuracy on the target's next token, each converted head's accuracy on the *same* hidden

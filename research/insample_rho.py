@@ -1,6 +1,6 @@
 """rho_tau of a converted drafter on the calibration prompts it was distilled on, on the held-out ones, and on mt_bench.
 
-A diagnostic for issue 5 (session 42): if a head does not keep rho_tau on the very prompts (and greedy answers) it
+A diagnostic of the d/8 rank limit: if a head does not keep rho_tau on the very prompts (and greedy answers) it
 was fitted to, no transfer to other prompts can lift it there. The demo's calibration data is the 300 shipped
 prompts in file order; its distillation holds out every 10th (``DistillConfig.eval_every_nth``: sequence i with
 i % 10 == 9) and fits the rest. This measures 30 of each (the fitted ones spread evenly over the file, which runs

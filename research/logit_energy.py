@@ -1,4 +1,4 @@
-"""How much of a head's logits a rank-r head can keep on the drafter's real states (issue 5, the d/8 rank limit).
+"""How much of a head's logits a rank-r head can keep on the drafter's real states (the d/8 rank limit).
 
 For each rank r, the share of ``||W X||_F^2`` (logit variance) and of ``||C W X||_F^2`` (C centres over tokens:
 the variation between the tokens' logits, all that softmax sees) that the best rank-r head keeps; ``X`` is the

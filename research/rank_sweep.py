@@ -1,4 +1,4 @@
-"""How much tau does the demo's conversion keep, by rank? (issues 5 and 6)
+"""How much tau does the demo's conversion keep, by rank?
 
 Converts a drafter for the embedded SmolLM2-135M target at each rank with the demo's recipe (draft vocabulary,
 brief distillation against the drafter's own head) and measures tau, original and converted, side by side:

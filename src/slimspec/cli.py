@@ -211,7 +211,7 @@ def _data_option_names() -> set[str]:
 
 def _refuse_unread_data_options(ctx: click.Context, rank: str, init: str, distill_steps: int) -> None:
     """Data and distillation options of a conversion that computes no teacher data (or trains nothing) are refused,
-    rather than silently ignored (``convert --aux-layers 2,5,8`` with an SVD start used to run as if not given)."""
+    rather than silently ignored (``convert --aux-layers 2,5,8`` with an SVD start reads no teacher data at all)."""
     if rank == "auto" or distill_steps > 0:  # --rank auto refuses what its recipe ignores; steps read everything
         return
     given = _given_options(ctx, _data_option_names().__contains__)

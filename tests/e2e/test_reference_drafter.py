@@ -1,4 +1,4 @@
-"""The embedded default's reference EAGLE-3 drafter (issue 5): shipped, loadable, lossless, really trained."""
+"""The embedded default's reference EAGLE-3 drafter: shipped, loadable, lossless, really trained."""
 
 import json
 import subprocess

@@ -1,4 +1,4 @@
-"""What a conversion carries to later commands, and what no command may destroy or misread (review, session 38)."""
+"""What a conversion carries to later commands, and what no command may destroy or misread ."""
 
 import json
 import os
@@ -211,8 +211,8 @@ def test_drafter_parts_that_would_be_dropped_are_refused(tmp_path, tensor, needl
 
 
 def test_conversion_warns_about_tensors_it_does_not_know(tmp_path):
-    """Catches a drafter variant this reader does not know losing tensors without a word (P-EAGLE's mask_hidden
-    was dropped that way until session 47): an unknown tensor must be named in a warning (the CLI shows it) and in
+    """Catches a drafter variant this reader does not know losing tensors without a word (P-EAGLE's mask_hidden,
+    dropped that way, changes what vLLM serves): an unknown tensor must be named in a warning (the CLI shows it) and in
     slimspec.json, while the ones dropped on purpose (RoPE's inv_freq, here in every EAGLE-layout test drafter)
     stay silent."""
     import warnings

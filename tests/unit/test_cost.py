@@ -7,7 +7,7 @@ from slimspec.evaluate.cost import flop_floor, head_latency, predicted_speedup
 
 
 def test_flop_floor_matches_paper():
-    """(r*d + V*r) / (V*d) = 0.129 at d=4096, V=128256, r=512 (issue 4; DESIGN.md rounds it to 0.127)."""
+    """(r*d + V*r) / (V*d) = 0.129 at d=4096, V=128256, r=512 (DESIGN.md rounds it to 0.127)."""
     assert flop_floor(128256, 4096, 512) == pytest.approx(0.1290, abs=1e-4)
     assert flop_floor(49152, 576, 72, source_vocab=8192) == pytest.approx((72 * 576 + 49152 * 72) / (8192 * 576))
 

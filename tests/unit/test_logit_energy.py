@@ -1,4 +1,4 @@
-"""research/logit_energy.py: the share of a head's logits a rank-r head can keep on given states (issue 5)."""
+"""research/logit_energy.py: the share of a head's logits a rank-r head can keep on given states."""
 
 import torch
 

@@ -171,9 +171,9 @@ def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSetting
         fields["seed"] = 0  # greedy answers do not depend on the seed
     stops = generation_stop_ids(target_path)
     if fields["responses"] == "regenerate" and len(stops) > 1:
-        # Answers stop at every generation-config eos since session 39 (before: the tokenizer's eos only). Keys of
-        # targets with one eos, the shipped answers' among them, stay as they were; the others change, so caches
-        # whose answers ran past an eos are not reused.
+        # Answers stop at every generation-config eos: the key names them when there are several (a cache whose
+        # answers stopped elsewhere is never reused); targets with one eos, the shipped answers' among them, keep
+        # the key without it.
         fields["stops"] = stops
     payload = {"v": CACHE_VERSION, "target": target_fingerprint(target_path), "prompts": prompts_fingerprint(prompts),
                "settings": fields}
