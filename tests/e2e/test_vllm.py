@@ -413,7 +413,8 @@ def test_from_scratch_low_rank_drafter_with_two_feature_layers_is_served(tmp_pat
 def _two_layer_drafter(folder: Path, scale: float = 20.0) -> Path:
     """The embedded drafter with a second decoder layer (``layers.1.*``, as speculators writes multi-layer EAGLE-3
     drafters): random weights whose residual writes (o_proj, down_proj) are ``scale`` x the usual 1/sqrt(fan-in),
-    enough to move its tau on these prompts (the shipped drafter's hidden states are ~300 in size) and few enough to keep it > 1.4."""
+    enough to move its tau on these prompts (the shipped drafter's hidden states are ~300 in size) and few enough to
+    keep it > 1.4."""
     source = Path(embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False))
     shutil.copytree(source, folder)
     tensors = torch.load(folder / "pytorch_model.bin", weights_only=True)
