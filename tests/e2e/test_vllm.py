@@ -410,6 +410,16 @@ def test_from_scratch_low_rank_drafter_with_two_feature_layers_is_served(tmp_pat
     _head_ok(report)
 
 
+def _shipped_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the embedded drafter copied to ``folder``, its ``model.safetensors`` removed: the caller writes
+    them back, edited, as ``pytorch_model.bin`` (the EAGLE layout's other weight file)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    return tensors
+
+
 def _two_layer_drafter(folder: Path, scale: float = 20.0) -> Path:
     """The embedded drafter with a second decoder layer (``layers.1.*``, as speculators writes multi-layer EAGLE-3
     drafters): random weights whose residual writes (o_proj, down_proj) are ``scale`` x the usual 1/sqrt(fan-in),
@@ -417,7 +427,7 @@ def _two_layer_drafter(folder: Path, scale: float = 20.0) -> Path:
     keep it > 1.4."""
     source = Path(embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False))
     shutil.copytree(source, folder)
-    tensors = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    tensors = _shipped_tensors(folder)
     config = json.loads((folder / "config.json").read_text())
     h, inter = config["hidden_size"], config["intermediate_size"]
     a, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
@@ -488,7 +498,7 @@ def _parallel_drafter(folder: Path, token: int = 2) -> Path:
     the scale of the features fc reads) and ``ptd_token_id`` (AWS's key), as ``amazon/GPT-OSS-20B-P-EAGLE``."""
     source = Path(embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False))
     shutil.copytree(source, folder)
-    tensors = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    tensors = _shipped_tensors(folder)
     config = json.loads((folder / "config.json").read_text())
     width = 3 * config["target_hidden_size"]
     tensors["mask_hidden"] = torch.randn(1, width, generator=torch.Generator().manual_seed(0)).half()
@@ -550,7 +560,7 @@ def _biased_drafter(folder: Path, scale: float = 8.0) -> Path:
     these prompts from 1.62 to 1.40), the set vLLM's Llama-style Eagle3 layer builds under that flag."""
     source = Path(embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False))
     shutil.copytree(source, folder)
-    tensors = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    tensors = _shipped_tensors(folder)
     config = json.loads((folder / "config.json").read_text())
     widths = {"q": config["num_attention_heads"] * config["head_dim"], "o": config["hidden_size"],
               "k": config["num_key_value_heads"] * config["head_dim"]}
