@@ -243,23 +243,36 @@ def _canonical_name(name: str) -> str | None:
     return None
 
 
-def _layer_config(raw: dict[str, Any], layout: str) -> dict[str, Any]:
-    if layout == "speculators":
-        inner = raw.get("transformer_layer_config")
-        if not isinstance(inner, dict):
-            raise CheckpointError("speculators config has no transformer_layer_config")
-        return inner
-    return raw
+@dataclass(frozen=True)
+class _SourceConfig:
+    """A drafter's config as its layout's adapter reads it: which part of it holds which kind of key."""
+
+    raw: dict[str, Any]  # config.json as written: aux layer ids, sizes and the verifier named at its top level
+    layer: dict[str, Any]  # the decoder layer: sizes, vocab, RoPE, eps, activation, num_hidden_layers
+    served: dict[str, Any]  # what vLLM builds the drafter from: flags, biases, feature count, mask-slot token
+    eagle: dict[str, Any]  # eagle_config ({} without one), where vLLM reads norm_before_fc first
+    norm_before_residual_default: bool  # the layout's default for the flag when no config sets it
 
 
-def _served_config(raw: dict[str, Any], layout: str) -> dict[str, Any]:
-    """The config vLLM (0.32-0.34) builds the drafter from. A flat config as it is. A speculators config becomes
-    its ``transformer_layer_config`` with the top level's flags written over it (vLLM's speculators ``eagle3`` and
-    ``peagle`` updaters): the inner copies of these flags never count, and ``peagle``'s top-level
-    ``mask_token_id`` arrives as ``pard_token``. A flag the top level leaves out takes the reader's default."""
-    if layout != "speculators":
-        return raw
-    view = dict(_layer_config(raw, layout))
+def _get_eagle_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config's ``eagle_config`` section; {} where it has none."""
+    value = raw.get("eagle_config")
+    return value if isinstance(value, dict) else {}
+
+
+def _read_flat(raw: dict[str, Any]) -> _SourceConfig:
+    """EAGLE (yuhuili), SpecForge, ModelOpt, AngelSlim and SlimSpec configs: one flat Llama-style config holding the
+    layer and the flags, which vLLM builds the drafter from as it is, beside an optional ``eagle_config``."""
+    return _SourceConfig(raw=raw, layer=raw, served=raw, eagle=_get_eagle_config(raw),
+                         norm_before_residual_default=False)
+
+
+def _speculators_served(raw: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+    """The config vLLM (0.32-0.34) builds a speculators drafter from: its ``transformer_layer_config`` (``layer``)
+    with the top level's flags written over it (vLLM's speculators ``eagle3`` and ``peagle`` updaters): the inner
+    copies of these flags never count, and ``peagle``'s top-level ``mask_token_id`` arrives as ``pard_token``. A flag
+    the top level leaves out takes the reader's default."""
+    view = dict(layer)
     peagle = raw.get("speculators_model_type") == "peagle"
     for key in ("norm_before_residual", "norm_before_fc") + (() if peagle else ("fc_norm", "norm_output")):
         view.pop(key, None)
@@ -270,85 +283,154 @@ def _served_config(raw: dict[str, Any], layout: str) -> dict[str, Any]:
     return view
 
 
-def _get_eagle_config(raw: dict[str, Any]) -> dict[str, Any]:
-    value = raw.get("eagle_config")
-    return value if isinstance(value, dict) else {}
+def _read_speculators(raw: dict[str, Any]) -> _SourceConfig:
+    """A vllm-project/speculators config: the layer in ``transformer_layer_config``, the flags as vLLM serves them
+    (``_speculators_served``). Its eagle3 checkpoints default to norm-before-residual (as vLLM reads them); its
+    peagle ones do not."""
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise CheckpointError("speculators config has no transformer_layer_config")
+    return _SourceConfig(raw=raw, layer=layer, served=_speculators_served(raw, layer), eagle=_get_eagle_config(raw),
+                         norm_before_residual_default=raw.get("speculators_model_type") != "peagle")
+
+
+# The adapter reading each layout's config: speculators nests the layer and writes its flags over it; every other
+# tool writes one flat config.
+_CONFIG_READERS = {
+    "eagle": _read_flat,
+    "specforge": _read_flat,
+    "speculators": _read_speculators,
+    "modelopt": _read_flat,
+    "angelslim": _read_flat,
+    "slimspec": _read_flat,
+}
+# layer config keys DrafterConfig reads into its own fields; the other scalar ones go to its ``extra``
+_READ_LAYER_KEYS = {"hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                    "vocab_size", "draft_vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
+                    "max_position_embeddings", "hidden_act", "model_type", "architectures", "torch_dtype", "dtype"}
 
 
 def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Tensor]) -> DrafterConfig:
-    layer = _layer_config(raw, layout)
-    eagle_cfg = _get_eagle_config(raw)
+    """Read ``raw``, a config in ``layout``, into the canonical DrafterConfig: the layout's adapter says where each
+    key lives, the rest is the same for every layout."""
+    return _canonical_config(_CONFIG_READERS[layout](raw), tensors)
 
-    def need(key: str) -> Any:
-        if key not in layer or layer[key] is None:
-            raise CheckpointError(f"drafter config lacks {key!r}")
-        return layer[key]
 
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
+def _need(config: dict[str, Any], key: str) -> Any:
+    """``config[key]``; a CheckpointError when it is missing or null."""
+    if key not in config or config[key] is None:
+        raise CheckpointError(f"drafter config lacks {key!r}")
+    return config[key]
+
+
+def _attention_shape(layer: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(hidden_size, attention heads, key/value heads, head_dim): kv heads default to the heads, head_dim to
+    hidden/heads."""
+    hidden = int(_need(layer, "hidden_size"))
+    heads = int(_need(layer, "num_attention_heads"))
     kv_heads = int(layer.get("num_key_value_heads") or heads)
     head_dim = int(layer.get("head_dim") or hidden // heads)
-    served = _served_config(raw, layout)
-    fc = tensors["fc.weight"]
-    aux_ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
-    declared_aux = served.get("num_aux_hidden_states")  # vLLM sizes fc by it first
+    return hidden, heads, kv_heads, head_dim
+
+
+def _aux_features(src: _SourceConfig, fc: torch.Tensor) -> tuple[Any, int]:
+    """(the aux layer ids named, how many target hidden states fc reads): the ids from the top level, else from
+    ``eagle_config``; the count from ``num_aux_hidden_states`` (vLLM sizes fc by it first), else the ids', else 3."""
+    aux_ids = src.raw.get("eagle_aux_hidden_state_layer_ids") or src.eagle.get("eagle_aux_hidden_state_layer_ids")
+    declared_aux = src.served.get("num_aux_hidden_states")
     if declared_aux is not None and aux_ids and int(declared_aux) != len(aux_ids):
         raise CheckpointError(f"the config declares num_aux_hidden_states={declared_aux} but names {len(aux_ids)} "
                               f"feature layers {list(aux_ids)}")
     num_aux = int(declared_aux) if declared_aux is not None else len(aux_ids) if aux_ids else 3
     if num_aux < 1 or fc.shape[1] % num_aux:
         raise CheckpointError(f"fc.weight {list(fc.shape)} is not {num_aux} target hidden states wide")
-    target_hidden = int(raw.get("target_hidden_size") or layer.get("target_hidden_size") or fc.shape[1] // num_aux)
-    vocab = int(need("vocab_size"))
-    draft_vocab = raw.get("draft_vocab_size", layer.get("draft_vocab_size"))
+    return aux_ids, num_aux
+
+
+def _vocab_sizes(src: _SourceConfig, tensors: dict[str, torch.Tensor]) -> tuple[int, Any]:
+    """(the target's vocab_size, the draft vocabulary as written): ``draft_vocab_size`` from the top level, else the
+    layer; where it is null, the head's rows, else the target's vocabulary (a drafter sharing the target's head)."""
+    vocab = int(_need(src.layer, "vocab_size"))
+    draft_vocab = src.raw.get("draft_vocab_size", src.layer.get("draft_vocab_size"))
     if draft_vocab is None:
         head = tensors.get("lm_head.weight")
         draft_vocab = head.shape[0] if head is not None else vocab
-    # the layer's tensors decide its style (vLLM serves a Llama- or a Qwen3-style layer): a config's model_type
-    # of qwen3 without q_norm, or mistral/qwen2, describes the target rather than this layer
-    model_type = "qwen3" if "midlayer.self_attn.q_norm.weight" in tensors else "llama"
-    _refuse_unbuilt_biases(served, model_type)
-    _refuse_sliding_window(served, decoder_layer_count(tensors))
+    return vocab, draft_vocab
 
-    def flag(key: str, default: bool) -> bool:
-        # where vLLM reads each flag: norm_before_fc from eagle_config first, the others from the config alone
-        sources = (eagle_cfg, served) if key == "norm_before_fc" else (served,)
-        for source in sources:
-            if source.get(key) is not None:
-                return bool(source[key])
-        return default
 
-    parallel_token = None
-    if MASK_HIDDEN in tensors:
-        found = [served[k] for k in PARALLEL_TOKEN_KEYS if served.get(k) is not None]  # vLLM's order
-        if not found:
-            raise CheckpointError(f"the weights hold {MASK_HIDDEN} (a P-EAGLE parallel drafter) but the config names "
-                                  f"no mask-slot token ({', '.join(PARALLEL_TOKEN_KEYS)})")
-        parallel_token = int(found[0])
+def _layer_style(tensors: dict[str, torch.Tensor]) -> str:
+    """``qwen3`` or ``llama``: the layer's tensors decide its style (vLLM serves a Llama- or a Qwen3-style layer); a
+    config's model_type of qwen3 without q_norm, or mistral/qwen2, describes the target rather than this layer."""
+    return "qwen3" if "midlayer.self_attn.q_norm.weight" in tensors else "llama"
 
+
+def _flag(src: _SourceConfig, key: str, default: bool) -> bool:
+    """A variant flag where vLLM reads it: ``norm_before_fc`` from ``eagle_config`` first, then the served config;
+    the others from the served config alone; ``default`` where none sets it."""
+    sources = (src.eagle, src.served) if key == "norm_before_fc" else (src.served,)
+    for source in sources:
+        if source.get(key) is not None:
+            return bool(source[key])
+    return default
+
+
+def _parallel_token(served: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int | None:
+    """The mask-slot token of a P-EAGLE drafter (one whose weights hold ``mask_hidden``), from the first of
+    ``PARALLEL_TOKEN_KEYS`` the served config sets (vLLM's order); None for a chain drafter."""
+    if MASK_HIDDEN not in tensors:
+        return None
+    found = [served[k] for k in PARALLEL_TOKEN_KEYS if served.get(k) is not None]
+    if not found:
+        raise CheckpointError(f"the weights hold {MASK_HIDDEN} (a P-EAGLE parallel drafter) but the config names "
+                              f"no mask-slot token ({', '.join(PARALLEL_TOKEN_KEYS)})")
+    return int(found[0])
+
+
+def _target_model(raw: dict[str, Any]) -> str | None:
+    """The verifier a config names: ``speculators_config.verifier.name_or_path``, else ``base_model_name_or_path``,
+    else ``target_model``."""
     target_model = None
     spec = raw.get("speculators_config")
     if isinstance(spec, dict) and isinstance(spec.get("verifier"), dict):
         target_model = spec["verifier"].get("name_or_path")
-    target_model = target_model or raw.get("base_model_name_or_path") or raw.get("target_model")
-    known = {"hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-             "vocab_size", "draft_vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
-             "max_position_embeddings", "hidden_act", "model_type", "architectures", "torch_dtype", "dtype"}
-    rope_theta, rope_scaling = rope_of(layer)
+    return target_model or raw.get("base_model_name_or_path") or raw.get("target_model")
+
+
+def _layer_count(layer: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
+    """The decoder layers the weights hold. One layer is read as the EAGLE reference reads it, whatever the config
+    says (some copy the target's count: 40 is reported for yuhuili's EAGLE3-Vicuna1.3-13B); several must match the
+    config's ``num_hidden_layers``, which is what vLLM builds."""
     num_layers = decoder_layer_count(tensors)
     declared = layer.get("num_hidden_layers")
-    # One layer of weights is read as the EAGLE reference reads it, whatever the config says (some copy the
-    # target's count: 40 is reported for yuhuili's EAGLE3-Vicuna1.3-13B); several must match the config, which is
-    # what vLLM builds.
     if num_layers > 1 and declared is not None and int(declared) != num_layers:
         raise CheckpointError(f"the config declares num_hidden_layers={declared} but the weights hold {num_layers} "
                               "decoder layers")
+    return num_layers
+
+
+def _canonical_config(src: _SourceConfig, tensors: dict[str, torch.Tensor]) -> DrafterConfig:
+    """The DrafterConfig of a drafter whose config ``src`` reads and whose canonical ``tensors`` give what the config
+    may leave out (feature width, head rows, layer style and count); refuses what vLLM would build unlike it."""
+    layer, served = src.layer, src.served
+    hidden, heads, kv_heads, head_dim = _attention_shape(layer)
+    fc = tensors["fc.weight"]
+    aux_ids, num_aux = _aux_features(src, fc)
+    target_hidden = int(src.raw.get("target_hidden_size") or layer.get("target_hidden_size")
+                        or fc.shape[1] // num_aux)
+    vocab, draft_vocab = _vocab_sizes(src, tensors)
+    model_type = _layer_style(tensors)
+    _refuse_unbuilt_biases(served, model_type)
+    _refuse_sliding_window(served, decoder_layer_count(tensors))
+    parallel_token = _parallel_token(served, tensors)
+    target_model = _target_model(src.raw)
+    rope_theta, rope_scaling = rope_of(layer)
+    num_layers = _layer_count(layer, tensors)
     return DrafterConfig(
         hidden_size=hidden,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=int(need("intermediate_size")),
+        intermediate_size=int(_need(layer, "intermediate_size")),
         target_hidden_size=target_hidden,
         vocab_size=vocab,
         draft_vocab_size=int(draft_vocab),
@@ -360,18 +442,15 @@ def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Ten
         model_type=model_type,
         num_aux_hidden_states=num_aux,
         aux_layer_ids=[int(i) for i in aux_ids] if aux_ids else None,
-        # speculators' eagle3 checkpoints default to norm-before-residual (as vLLM reads them); the rest, its
-        # peagle ones included, do not.
-        norm_before_residual=flag("norm_before_residual",
-                                  layout == "speculators" and raw.get("speculators_model_type") != "peagle"),
-        norm_before_fc=flag("norm_before_fc", False),
-        fc_norm=flag("fc_norm", any(k.startswith("fc_norm.") for k in tensors)),
-        norm_output=flag("norm_output", False),
+        norm_before_residual=_flag(src, "norm_before_residual", src.norm_before_residual_default),
+        norm_before_fc=_flag(src, "norm_before_fc", False),
+        fc_norm=_flag(src, "fc_norm", any(k.startswith("fc_norm.") for k in tensors)),
+        norm_output=_flag(src, "norm_output", False),
         num_layers=num_layers,
         attention_bias=bool(served.get("attention_bias") or False),
         parallel_token_id=parallel_token,
         target_model=target_model,
-        extra={k: v for k, v in layer.items() if k not in known and isinstance(v, (int, float, str, bool))},
+        extra={k: v for k, v in layer.items() if k not in _READ_LAYER_KEYS and isinstance(v, (int, float, str, bool))},
     )
 
 
