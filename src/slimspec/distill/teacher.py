@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
 
 from slimspec.checkpoint.target_model import (
     chat_ids,
@@ -33,7 +34,7 @@ from slimspec.checkpoint.target_model import (
 )
 from slimspec.checkpoint.writer import remove_stale_temps
 from slimspec.distill.answers import batch_spans, journal_rows, load_answers
-from slimspec.distill.static_decode import cut_at_stop, static_decode, static_prefill
+from slimspec.distill.static_decode import cut_at_stop, static_decode, static_prefill, supports
 from slimspec.embedded import cache_dir, file_lock
 from slimspec.errors import SlimSpecError
 from slimspec.hardware import GENERATION_DTYPES, default_generation_dtype, resolve_device
@@ -164,7 +165,9 @@ def _claim(where: TeacherLocation, journal: Path, content: str, progress: bool) 
 
 def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSettings) -> str:
     fields = asdict(settings)
-    if fields["engine"] == "transformers" or fields["responses"] != "regenerate":  # keys as before the choice
+    if fields["engine"] == "transformers" or fields["responses"] != "regenerate":
+        # the default engine, and builds that decode nothing, leave the engine out: their keys name existing
+        # caches and the shipped answers
         del fields["engine"]
     fields["temperature"] = float(fields["temperature"])  # 0 and 0.0 are one setting
     if fields["temperature"] <= 0:
@@ -332,7 +335,8 @@ def _append_lines(path: Path, text: str) -> None:
 
 
 def _built_for(manifest: Path, content: str) -> bool:
-    """A finished cache whose target is this one (caches from before the record count as this target's)."""
+    """A finished cache whose target is this one (a manifest without a ``target_content`` record counts as this
+    target's)."""
     if not manifest.exists():
         return False
     return json.loads(manifest.read_text()).get("target_content") in (None, content)
@@ -348,91 +352,127 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
            journal: Path, content: str, progress: bool, answers: Path | None,
            device: torch.device) -> TeacherData:
     """Decode (or read saved answers), take the features and write the cache of ``where`` (its lock held)."""
-    key, root, folder, work, num_layers = where.key, where.root, where.folder, where.work, where.num_layers
     static_engine = uses_static_engine(settings, device)
     if settings.engine == "static" and not static_engine and settings.responses == "regenerate" and progress:
         print(f"[slimspec] the static engine runs on the CPU only: on {device} answers and features come from "
               "transformers' generate and forwards", file=sys.stderr)
-    known: dict[int, list[int]] = {}  # prompt index -> answer ids already decoded (saved or shipped answers)
-    if settings.responses == "regenerate":
-        if answers is None and (shipped := SHIPPED_ANSWERS / f"{key}.jsonl.gz").exists():
-            answers = shipped  # this very cache's answers ship with slimspec (the embedded target's brief recipe)
-            if progress:
-                print(f"[slimspec] answers: shipped with slimspec ({shipped.name}); features from the target's "
-                      "forwards", file=sys.stderr)
-        known = load_answers(answers, key) if answers is not None else {}
-        known = {i: r for i, r in known.items() if 0 <= i < len(prompts)}
-    elif answers is not None and progress:
-        print(f"[slimspec] saved answers {answers} stand for regenerated answers only: unused here", file=sys.stderr)
+    known = _known_answers(prompts, settings, where.key, answers, progress)
     store = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float16 if settings.dtype == "float16" \
         else torch.float32
     if static_engine:
-        from slimspec.distill.static_decode import supports
+        built = _static_build(target_path, prompts, settings, where, known, store, content, progress)
+        if built is not None:
+            return built
+    if settings.responses == "regenerate":
+        model, sequences = _regenerated_sequences(target_path, prompts, settings, known, journal, progress, device)
+    else:
+        model, sequences = _given_sequences(target_path, prompts, settings, device)
+    return _write_teacher_folder(target_path, where.root, where.key, where.folder, settings, where.num_layers,
+                                 _with_features(model, sequences, settings.aux_layers), len(sequences), store,
+                                 progress, content, cleanup=lambda: journal.unlink(missing_ok=True))
 
-        generator_model, tokenizer = load_target_model(target_path, dtype=getattr(torch, settings.generation_dtype))
-        static = supports(generator_model, settings.max_length + settings.max_new_tokens)
-        if not static and progress:
+
+def _known_answers(prompts: list[Prompt], settings: TeacherSettings, key: str, answers: Path | None,
+                   progress: bool) -> dict[int, list[int]]:
+    """Prompt index -> answer ids already decoded: ``answers`` (a saved-answers file), else the answers shipped
+    with slimspec under this cache ``key``; none unless the answers are regenerated."""
+    if settings.responses != "regenerate":
+        if answers is not None and progress:
+            print(f"[slimspec] saved answers {answers} stand for regenerated answers only: unused here",
+                  file=sys.stderr)
+        return {}
+    if answers is None and (shipped := SHIPPED_ANSWERS / f"{key}.jsonl.gz").exists():
+        answers = shipped  # this very cache's answers ship with slimspec (the embedded target's brief recipe)
+        if progress:
+            print(f"[slimspec] answers: shipped with slimspec ({shipped.name}); features from the target's "
+                  "forwards", file=sys.stderr)
+    known = load_answers(answers, key) if answers is not None else {}
+    return {i: r for i, r in known.items() if 0 <= i < len(prompts)}
+
+
+def _static_build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, where: TeacherLocation,
+                  known: dict[int, list[int]], store: torch.dtype, content: str,
+                  progress: bool) -> TeacherData | None:
+    """Static engine: answers and features from the same passes of the generation-dtype copy, written to the
+    cache; None (nothing done) where the engine does not support the target."""
+    generator_model, tokenizer = load_target_model(target_path, dtype=getattr(torch, settings.generation_dtype))
+    if not supports(generator_model, settings.max_length + settings.max_new_tokens):
+        if progress:
             print("[slimspec] the static engine does not support this target: transformers' generate and forwards "
                   "do the work", file=sys.stderr)
-        if static:
-            prefixes = [chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
-            _static_generate(generator_model, tokenizer, prefixes, settings, work, store, progress, known)
-            del generator_model
-            sequences = _static_sequences(work, len(prefixes))
-            return _write_teacher_folder(target_path, root, key, folder, settings, num_layers, sequences,
-                                         len(prefixes), store, progress, content,
-                                         cleanup=lambda: shutil.rmtree(work))
-        del generator_model
-    sequences: list[tuple[list[int], int]] = []
-    if settings.responses == "regenerate":
-        # the answering copy first (in the generation dtype), then the float32 target for the features: one copy
-        # of the target on the device at a time; no answering copy when every answer is known
-        if len(known) < len(prompts):
-            generator_model, tokenizer = load_target_model(target_path, getattr(torch, settings.generation_dtype),
-                                                           device)
-        else:
-            generator_model, (model, tokenizer) = None, load_target_model(target_path, device=device)
-        prefixes = [chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
-        bar = _bar(len(prefixes), "generating responses", progress)
-        start, count = time.perf_counter(), [0]
+        return None
+    prefixes = [chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
+    _static_generate(generator_model, tokenizer, prefixes, settings, where.work, store, progress, known)
+    del generator_model
+    sequences = _static_sequences(where.work, len(prefixes))
+    return _write_teacher_folder(target_path, where.root, where.key, where.folder, settings, where.num_layers,
+                                 sequences, len(prefixes), store, progress, content,
+                                 cleanup=lambda: shutil.rmtree(where.work))
 
-        def tick(n: int, tokens: int) -> None:
-            count[0] += tokens
-            bar.update(n)
-            bar.set_postfix(tok_s=f"{count[0] / max(time.perf_counter() - start, 1e-9):.0f}")
 
-        responses = _generate(generator_model, tokenizer, prefixes, settings, tick, journal, known)
-        bar.close()
-        if generator_model is None:
-            pass  # every answer was known: the float32 target is loaded already
-        elif settings.generation_dtype == "float32":
-            model = generator_model
-        else:
-            del generator_model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            model, _ = load_target_model(target_path, device=device)
-        pairs = zip(prefixes, responses, strict=True)
-        sequences = [((pre + resp)[: settings.max_length], len(pre)) for pre, resp in pairs]
+def _regenerated_sequences(target_path: Path, prompts: list[Prompt], settings: TeacherSettings,
+                           known: dict[int, list[int]], journal: Path, progress: bool, device: torch.device):
+    """Transformers engine: (float32 target, [(prompt + answer ids, prompt length)]) with the answers from
+    ``generate``. The answering copy (generation dtype) comes first, then the float32 target for the features:
+    one copy of the target on the device at a time; no answering copy when every answer is known."""
+    if len(known) < len(prompts):
+        generator_model, tokenizer = load_target_model(target_path, getattr(torch, settings.generation_dtype),
+                                                       device)
     else:
-        model, tokenizer = load_target_model(target_path, device=device)
-        for p in prompts:
-            answer = p.reference if settings.responses == "reference" else None
-            if settings.responses == "reference" and not answer:
-                continue
-            ids, split = chat_ids(tokenizer, p.text, answer)
-            sequences.append((ids[: settings.max_length], split if answer else 0))
+        generator_model, (model, tokenizer) = None, load_target_model(target_path, device=device)
+    prefixes = [chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
+    bar = _bar(len(prefixes), "generating responses", progress)
+    responses = _generate(generator_model, tokenizer, prefixes, settings, _rate_ticker(bar), journal, known)
+    bar.close()
+    if generator_model is None:
+        pass  # every answer was known: the float32 target is loaded already
+    elif settings.generation_dtype == "float32":
+        model = generator_model
+    else:
+        del generator_model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        model, _ = load_target_model(target_path, device=device)
+    pairs = zip(prefixes, responses, strict=True)
+    return model, [((pre + resp)[: settings.max_length], len(pre)) for pre, resp in pairs]
 
-    def with_features():
-        for ids, split in sequences:
-            if len(ids) < 3:
-                yield ids, split, None, None
-                continue
-            aux, final = _features(model, ids, settings.aux_layers)
-            yield ids, split, aux, final
 
-    return _write_teacher_folder(target_path, root, key, folder, settings, num_layers, with_features(), len(sequences),
-                                 store, progress, content, cleanup=lambda: journal.unlink(missing_ok=True))
+def _rate_ticker(bar):
+    """A ``progress(n, tokens)`` callback for ``_generate``: advances ``bar`` by ``n`` sequences and shows the
+    tokens per second since the ticker was made."""
+    start, count = time.perf_counter(), [0]
+
+    def tick(n: int, tokens: int) -> None:
+        count[0] += tokens
+        bar.update(n)
+        bar.set_postfix(tok_s=f"{count[0] / max(time.perf_counter() - start, 1e-9):.0f}")
+
+    return tick
+
+
+def _given_sequences(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, device: torch.device):
+    """Reference or no answers: (float32 target, [(ids, prompt length or 0)]). ``reference`` skips prompts without
+    one; ``none`` keeps the prompt alone, every position of it in the loss."""
+    model, tokenizer = load_target_model(target_path, device=device)
+    sequences: list[tuple[list[int], int]] = []
+    for p in prompts:
+        answer = p.reference if settings.responses == "reference" else None
+        if settings.responses == "reference" and not answer:
+            continue
+        ids, split = chat_ids(tokenizer, p.text, answer)
+        sequences.append((ids[: settings.max_length], split if answer else 0))
+    return model, sequences
+
+
+def _with_features(model, sequences: list[tuple[list[int], int]], aux_layers: tuple[int, ...]):
+    """(ids, split, aux, final) of each sequence, the features from one forward of ``model`` each (None for a
+    sequence too short to keep)."""
+    for ids, split in sequences:
+        if len(ids) < 3:
+            yield ids, split, None, None
+            continue
+        aux, final = _features(model, ids, aux_layers)
+        yield ids, split, aux, final
 
 
 def _write_teacher_folder(target_path: Path, root: Path, key: str, folder: Path, settings: TeacherSettings,
@@ -591,8 +631,8 @@ def load_teacher_data(folder: Path) -> TeacherData:
     """Read a cached teacher-data folder.
 
     Layout "rows" (what ``_write_teacher_folder`` writes): ``aux`` and ``final`` are memory-mapped from their row files
-    (copy-on-write, never written back), so a cache larger than RAM trains from the page cache. Older caches
-    (safetensors shards holding everything) are read into memory, one shard at a time.
+    (copy-on-write, never written back), so a cache larger than RAM trains from the page cache. A manifest without
+    a layout lists safetensors shards holding everything: they are read into memory, one shard at a time.
     """
     manifest = json.loads((folder / "manifest.json").read_text())
     total = int(manifest["num_tokens"])
@@ -629,6 +669,4 @@ def load_teacher_data(folder: Path) -> TeacherData:
 
 
 def _bar(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=f"[slimspec] {desc}", disable=not enabled, leave=False, unit="seq")
