@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
+from slimspec.convert.factorize import balance_factors
 from slimspec.distill.loss import full_vocab_kl, top1_agreement
 from slimspec.distill.teacher import TeacherData
 from slimspec.distill.teacher_table import table_budget, table_dtype, teacher_table
@@ -288,8 +290,6 @@ def student_features(drafter: Eagle3Drafter, teacher: TeacherData, indices: list
 
 def _in_batches(drafter, teacher, indices, steps, source_rows, progress, desc, tokens=8192):
     """``batched_student_outputs`` of ``indices`` in order, a slice of about ``tokens`` positions at a time."""
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=len(indices), desc=f"[slimspec] {desc}", disable=not progress, leave=False)
     start = 0
     while start < len(indices):
@@ -545,14 +545,9 @@ def train_drafter(
 def _distill(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.Tensor, cfg: DistillConfig,
              checkpoint_dir: Path | None, resume: bool, progress: bool, keep_every: int, run: dict) -> DistillResult:
     """:func:`train_drafter` on the device the drafter and ``teacher_head`` are on."""
-    from tqdm.auto import tqdm
-
-    rank, world = _world()
-    device = drafter.fc.weight.device
     torch.manual_seed(cfg.seed)
     teacher_head = teacher_head.float()
-    k = cfg.ttt_steps
-    kind = cfg.teacher
+    k, kind = cfg.ttt_steps, cfg.teacher
     if kind not in TEACHERS:
         raise SlimSpecError(f"teacher must be one of {', '.join(TEACHERS)}, got {kind!r}")
     train_idx, eval_idx = split_sequences(teacher, cfg.eval_every_nth)
@@ -560,124 +555,202 @@ def _distill(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.T
     # The drafter teacher with a training backbone scores the source backbone's states, computed once here.
     frozen = kind == "drafter" and cfg.train_backbone
     source = source_states(drafter, teacher, train_idx + eval_idx, k, progress) if frozen else None
-    eval_features = student_features(drafter, teacher, eval_idx, k, source_rows=frozen, allow_empty=True)
-    kl_before, kl_before_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=kind,
-                                             source=source)
-    top1_before = evaluate_top1(drafter, eval_features, teacher, teacher_head, kind=kind, source=source)
-    if cfg.train_backbone and not any((x := _sequence_inputs(teacher, i, k)) is not None and bool(x[3].sum() > 0)
-                                      for i in train_idx):  # as student_features refuses for a head-only run
-        raise SlimSpecError(f"no teacher sequence has answer tokens to learn from (each needs more than {k} tokens, "
-                            "some of them answer tokens)")
-    train_features = None if cfg.train_backbone else student_features(drafter, teacher, train_idx, k, progress,
-                                                                       all_positions=kind == "drafter")
-    table = None if train_features is None else frozen_teacher_table(train_features, teacher, teacher_head, kind,
-                                                                     cfg.teacher_temperature, progress)
-    if isinstance(drafter.lm_head, LowRankHead):  # Adam moves each weight by ~lr: factors must share one scale
-        from slimspec.convert.factorize import balance_factors
-
-        head = drafter.lm_head
-        with torch.no_grad():
-            up, down = balance_factors(head.up, head.down)
-            head.up.copy_(up)
-            head.down.copy_(down)
+    eval_features, kl_before, top1_before = _held_out(drafter, teacher, teacher_head, cfg, eval_idx, frozen, source)
+    train_features, table = _training_rows(drafter, teacher, teacher_head, cfg, train_idx, progress)
+    _balance_factors(drafter)
     params = trainable_parameters(drafter, cfg.train_backbone)
+    state = _Training(drafter, teacher, teacher_head, cfg, frozen, source, train_idx, train_features, table, params,
+                      optimizer=_optimizer(drafter, params, cfg), generator=torch.Generator().manual_seed(cfg.seed),
+                      checkpoint_dir=checkpoint_dir, keep_every=keep_every,
+                      run={**run, "student": _student_identity(drafter, params)})
+    start_step = _resume(state) if resume else 0
+    tokens_per_second, seconds = _train(state, start_step, progress)
+    drafter.requires_grad_(False)
+    _, kl_after, top1_after = _held_out(drafter, teacher, teacher_head, cfg, eval_idx, frozen, source,
+                                        None if cfg.train_backbone else eval_features)
+    return DistillResult(steps=cfg.steps, kl_before=kl_before[0], kl_after=kl_after[0], kl_before_per_step=kl_before,
+                         kl_after_per_step=kl_after, history=state.history, top1_before_per_step=top1_before,
+                         top1_after_per_step=top1_after, tokens_per_second=tokens_per_second, seconds=seconds,
+                         config=asdict(cfg))
+
+
+def _held_out(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.Tensor, cfg: DistillConfig,
+              eval_idx: list[int], frozen: bool, source: torch.Tensor | None,
+              features: StudentFeatures | None = None) -> tuple[StudentFeatures, list[float], list[float]]:
+    """(held-out features, KL per TTT step, top-1 agreement per TTT step). ``features``: those of an earlier
+    evaluation, still valid while the backbone is frozen; None computes them from the drafter as it is now."""
+    if features is None:
+        features = student_features(drafter, teacher, eval_idx, cfg.ttt_steps, source_rows=frozen, allow_empty=True)
+    _, kl_per_step = evaluate_kl(drafter, features, teacher, teacher_head, cfg.decay, kind=cfg.teacher,
+                                 source=source)
+    top1 = evaluate_top1(drafter, features, teacher, teacher_head, kind=cfg.teacher, source=source)
+    return features, kl_per_step, top1
+
+
+def _training_rows(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.Tensor, cfg: DistillConfig,
+                   train_idx: list[int], progress: bool) -> tuple[StudentFeatures | None, torch.Tensor | None]:
+    """Head-only: the frozen drafter's features of the training rows and the teacher's log-probabilities of them
+    (None where that table does not fit). A training backbone draws whole sequences each step instead: (None,
+    None), once some training sequence is known to hold answer tokens (as ``student_features`` demands)."""
+    k = cfg.ttt_steps
+    if cfg.train_backbone:
+        if not any((x := _sequence_inputs(teacher, i, k)) is not None and bool(x[3].sum() > 0) for i in train_idx):
+            raise SlimSpecError(f"no teacher sequence has answer tokens to learn from (each needs more than {k} "
+                                "tokens, some of them answer tokens)")
+        return None, None
+    features = student_features(drafter, teacher, train_idx, k, progress, all_positions=cfg.teacher == "drafter")
+    table = frozen_teacher_table(features, teacher, teacher_head, cfg.teacher, cfg.teacher_temperature, progress)
+    return features, table
+
+
+def _balance_factors(drafter: Eagle3Drafter) -> None:
+    """Give a low-rank head's two factors one scale (Adam moves each weight by about ``lr``); a full head stays."""
+    if not isinstance(drafter.lm_head, LowRankHead):
+        return
+    head = drafter.lm_head
+    with torch.no_grad():
+        up, down = balance_factors(head.up, head.down)
+        head.up.copy_(up)
+        head.down.copy_(down)
+
+
+def _optimizer(drafter: Eagle3Drafter, params: list[torch.nn.Parameter], cfg: DistillConfig) -> torch.optim.AdamW:
+    """AdamW over ``params``: the head's at ``lr``, the backbone's scaled to ``backbone_lr`` (each group's
+    ``scale`` multiplies the scheduled learning rate)."""
     head_ids = {id(p) for p in drafter.lm_head.parameters()}
     groups = [{"params": [p for p in params if id(p) in head_ids], "scale": 1.0},
               {"params": [p for p in params if id(p) not in head_ids],
                "scale": (cfg.backbone_lr or cfg.lr) / cfg.lr}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  betas=(0.9, 0.95))
-    generator = torch.Generator().manual_seed(cfg.seed)
-    history: list[dict] = []
-    start_step = 0
-    run = {**run, "student": _student_identity(drafter, params)}
-    if resume and (checkpoint_dir is None or not (path := latest_checkpoint(checkpoint_dir))):
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             betas=(0.9, 0.95))
+
+
+@dataclass
+class _Training:
+    """What the steps of one run share: student, teacher, training rows, optimizer, random stream, history and
+    where checkpoints go."""
+
+    drafter: Eagle3Drafter
+    teacher: TeacherData
+    teacher_head: torch.Tensor
+    cfg: DistillConfig
+    frozen: bool  # the drafter teacher scores the source backbone's states (``source``) while the backbone trains
+    source: torch.Tensor | None
+    train_idx: list[int]
+    features: StudentFeatures | None  # head-only: the rows a step draws from
+    table: torch.Tensor | None  # head-only: the teacher's log-probabilities of those rows, when they fit
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    generator: torch.Generator
+    checkpoint_dir: Path | None
+    keep_every: int
+    run: dict
+    history: list[dict] = field(default_factory=list)
+
+
+def _resume(state: _Training) -> int:
+    """Load the latest checkpoint of ``state.checkpoint_dir`` into the parameters, optimizer, random stream and
+    history, after checking it was saved by this run (same options, teacher data and student); the step reached."""
+    folder, cfg = state.checkpoint_dir, state.cfg
+    if folder is None or not (path := latest_checkpoint(folder)):
         # starting over instead would silently take whatever options this call has, and replace the output
-        raise SlimSpecError(f"--resume: no checkpoint in {checkpoint_dir} to resume from (a run saves them with "
+        raise SlimSpecError(f"--resume: no checkpoint in {folder} to resume from (a run saves them with "
                             "--save-every N); drop --resume to start over")
-    if resume:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        # a field added since the checkpoint was written counts as its default (the behaviour it was written with)
-        saved = {**asdict(DistillConfig()), **state["config"]}
-        differ = [k for k, v in asdict(cfg).items() if k not in RESUME_FREE and saved.get(k) != v]
-        if differ:
-            shown = ", ".join(f"{k} {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in differ)
-            raise SlimSpecError(f"{path}: saved with other settings ({shown}); resume needs the same options")
-        saved_run = state.get("run") or {}  # checkpoints from before a field was recorded carry none of it
-        if any(saved_run.get(key, value) != value for key, value in run.items()):
-            raise SlimSpecError(f"{path}: saved by a run on other teacher data or another source drafter; resume "
-                                "needs the same --data, prompts and checkpoint (or another --out)")
-        with torch.no_grad():
-            for p, saved in zip(params, state["params"], strict=True):
-                p.copy_(saved)
-        optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["rng"])
-        history = list(state["history"])
-        start_step = int(state["step"])
-    # training time of earlier segments of a resumed run (histories saved before this field count from here)
-    prior_seconds = float(history[-1].get("seconds", 0.0)) if history else 0.0
+    saved_state = torch.load(path, map_location="cpu", weights_only=True)
+    # a config field the checkpoint lacks counts as its default (the behaviour it was written with)
+    saved = {**asdict(DistillConfig()), **saved_state["config"]}
+    differ = [k for k, v in asdict(cfg).items() if k not in RESUME_FREE and saved.get(k) != v]
+    if differ:
+        shown = ", ".join(f"{k} {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in differ)
+        raise SlimSpecError(f"{path}: saved with other settings ({shown}); resume needs the same options")
+    saved_run = saved_state.get("run") or {}  # a field the checkpoint does not record is not compared
+    if any(saved_run.get(key, value) != value for key, value in state.run.items()):
+        raise SlimSpecError(f"{path}: saved by a run on other teacher data or another source drafter; resume "
+                            "needs the same --data, prompts and checkpoint (or another --out)")
+    with torch.no_grad():
+        for p, tensor in zip(state.params, saved_state["params"], strict=True):
+            p.copy_(tensor)
+    state.optimizer.load_state_dict(saved_state["optimizer"])
+    state.generator.set_state(saved_state["rng"])
+    state.history = list(saved_state["history"])
+    return int(saved_state["step"])
+
+
+def _train(state: _Training, start_step: int, progress: bool) -> tuple[float, float]:
+    """Steps ``start_step`` to ``cfg.steps``, each recorded in ``state.history`` and checkpointed when due:
+    (rows per second over all ranks, training seconds of the whole run, earlier segments of a resumed one
+    included)."""
+    rank, world = _world()
+    cfg = state.cfg
+    # training time of the run's earlier segments (a history entry without it counts from here)
+    prior_seconds = float(state.history[-1].get("seconds", 0.0)) if state.history else 0.0
     bar = tqdm(total=cfg.steps, initial=start_step, desc="[slimspec] distill", disable=not progress or rank != 0)
     tokens_seen, started = 0, time.perf_counter()
     for step in range(start_step, cfg.steps):
-        if cfg.train_backbone:
-            with torch.autocast(drafter.fc.weight.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                hidden, teacher_index, weight = _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank,
-                                                                world, frozen)
-            logits, table_rows = None, None
-        else:
-            rows = torch.randint(0, train_features.hidden.shape[0], (cfg.batch_tokens,), generator=generator)
-            rows = rows[rank::world].to(device)
-            hidden = train_features.hidden[rows]
-            teacher_index, weight = train_features.teacher_index[rows], train_features.weight[rows]
-            logits, table_rows = table, rows  # rows index the table (kl_terms gathers the kept ones)
-        global_weight = _all_reduce(weight.sum(0).double())
-        for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, cfg) * group["scale"]
-        optimizer.zero_grad(set_to_none=True)
-        loss, per_step = kl_terms(drafter, hidden, teacher_index, weight, teacher, teacher_head, cfg.decay,
-                                  global_weight, kind=kind, source=source,
-                                  matmul_dtype=torch.bfloat16 if cfg.bf16 else None,
-                                  teacher_temperature=cfg.teacher_temperature,
-                                  teacher_logits=logits, teacher_rows=table_rows)
-        if loss.requires_grad:  # a batch without weighted rows (this rank's, or all) gives a constant: no gradient
-            loss.backward()
-        for p in params:
-            if p.grad is None and world > 1:  # a rank without rows this step: every rank must reduce every tensor
-                p.grad = torch.zeros_like(p)
-            if p.grad is not None:
-                _all_reduce(p.grad)
-        loss_value = float(_all_reduce(loss.detach().clone()))
-        kl0 = float(_all_reduce(torch.tensor(per_step[0] if not math.isnan(per_step[0]) else 0.0)))
-        if not math.isfinite(loss_value):
-            last = latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
-            raise SlimSpecError(f"loss became {loss_value} at step {step + 1}; stopped"
-                                + (f" (last good checkpoint: {last})" if last else " (no checkpoint saved yet)"))
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-        optimizer.step()
-        tokens_seen += hidden.shape[0] * world
+        loss_value, kl0, grad_norm, rows = _train_step(state, step, rank, world)
+        tokens_seen += rows * world
         rate = tokens_seen / max(time.perf_counter() - started, 1e-9)
-        history.append({"step": step + 1, "loss": loss_value, "kl0": kl0, "grad_norm": grad_norm,
-                        "lr": optimizer.param_groups[0]["lr"],
-                        "seconds": prior_seconds + time.perf_counter() - started})
+        state.history.append({"step": step + 1, "loss": loss_value, "kl0": kl0, "grad_norm": grad_norm,
+                              "lr": state.optimizer.param_groups[0]["lr"],
+                              "seconds": prior_seconds + time.perf_counter() - started})
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.4f}", kl=f"{kl0:.4f}", tok_s=f"{rate:.0f}")
-        if checkpoint_dir is not None and cfg.save_every and (step + 1) % cfg.save_every == 0 and rank == 0:
-            _save_checkpoint(checkpoint_dir, step + 1, params, optimizer, generator, history, cfg, run)
-            if keep_every > 0:
-                prune_checkpoints(checkpoint_dir, keep_every)
+        if state.checkpoint_dir is not None and cfg.save_every and (step + 1) % cfg.save_every == 0 and rank == 0:
+            _save_checkpoint(state.checkpoint_dir, step + 1, state.params, state.optimizer, state.generator,
+                             state.history, cfg, state.run)
+            if state.keep_every > 0:
+                prune_checkpoints(state.checkpoint_dir, state.keep_every)
     bar.close()
     seconds = time.perf_counter() - started
-    drafter.requires_grad_(False)
+    return tokens_seen / max(seconds, 1e-9), prior_seconds + seconds
+
+
+def _train_step(state: _Training, step: int, rank: int, world: int) -> tuple[float, float, float, int]:
+    """One optimizer step on a fresh batch: (loss, KL of TTT step 0, gradient norm, this rank's rows); the loss and
+    KL are summed over ranks, the gradients reduced before clipping."""
+    cfg, params, optimizer = state.cfg, state.params, state.optimizer
+    hidden, teacher_index, weight, logits, table_rows = _draw_batch(state, rank, world)
+    global_weight = _all_reduce(weight.sum(0).double())
+    for group in optimizer.param_groups:
+        group["lr"] = _lr_at(step, cfg) * group["scale"]
+    optimizer.zero_grad(set_to_none=True)
+    loss, per_step = kl_terms(state.drafter, hidden, teacher_index, weight, state.teacher, state.teacher_head,
+                              cfg.decay, global_weight, kind=cfg.teacher, source=state.source,
+                              matmul_dtype=torch.bfloat16 if cfg.bf16 else None,
+                              teacher_temperature=cfg.teacher_temperature,
+                              teacher_logits=logits, teacher_rows=table_rows)
+    if loss.requires_grad:  # a batch without weighted rows (this rank's, or all) gives a constant: no gradient
+        loss.backward()
+    for p in params:
+        if p.grad is None and world > 1:  # a rank without rows this step: every rank must reduce every tensor
+            p.grad = torch.zeros_like(p)
+        if p.grad is not None:
+            _all_reduce(p.grad)
+    loss_value = float(_all_reduce(loss.detach().clone()))
+    kl0 = float(_all_reduce(torch.tensor(per_step[0] if not math.isnan(per_step[0]) else 0.0)))
+    if not math.isfinite(loss_value):
+        last = latest_checkpoint(state.checkpoint_dir) if state.checkpoint_dir else None
+        raise SlimSpecError(f"loss became {loss_value} at step {step + 1}; stopped"
+                            + (f" (last good checkpoint: {last})" if last else " (no checkpoint saved yet)"))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+    optimizer.step()
+    return loss_value, kl0, grad_norm, hidden.shape[0]
+
+
+def _draw_batch(state: _Training, rank: int, world: int):
+    """This rank's rows of one step: (hidden, teacher rows, weights, teacher table, table rows). Head-only: random
+    rows of the precomputed features (the table, when there is one, is indexed by ``table rows``); a training
+    backbone: whole random sequences through the drafter (no table)."""
+    cfg = state.cfg
     if cfg.train_backbone:
-        eval_features = student_features(drafter, teacher, eval_idx, k, source_rows=frozen, allow_empty=True)
-    kl_after, kl_after_steps = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=kind,
-                                           source=source)
-    top1_after = evaluate_top1(drafter, eval_features, teacher, teacher_head, kind=kind, source=source)
-    return DistillResult(steps=cfg.steps, kl_before=kl_before_steps[0], kl_after=kl_after_steps[0],
-                         kl_before_per_step=kl_before_steps, kl_after_per_step=kl_after_steps, history=history,
-                         top1_before_per_step=top1_before, top1_after_per_step=top1_after,
-                         tokens_per_second=tokens_seen / max(seconds, 1e-9), seconds=prior_seconds + seconds,
-                         config=asdict(cfg))
+        with torch.autocast(state.drafter.fc.weight.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            hidden, teacher_index, weight = _backbone_batch(state.drafter, state.teacher, state.train_idx, cfg,
+                                                            state.generator, rank, world, state.frozen)
+        return hidden, teacher_index, weight, None, None
+    features = state.features
+    rows = torch.randint(0, features.hidden.shape[0], (cfg.batch_tokens,), generator=state.generator)
+    rows = rows[rank::world].to(state.drafter.fc.weight.device)
+    return features.hidden[rows], features.teacher_index[rows], features.weight[rows], state.table, rows
 
 
 def _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world, source_rows=False):
@@ -717,9 +790,9 @@ RESUME_FREE = {"save_every"}
 
 
 def _student_identity(drafter: Eagle3Drafter, trained: list[torch.nn.Parameter]) -> dict:
-    """The student a checkpoint's parameters belong to: the trained tensors' shapes and the sum of the frozen ones
-    (a checkpoint of a rank-8 head copied into a rank-4 one failed with a shape error; one of another drafter of
-    the same shapes resumed silently)."""
+    """The student a checkpoint's parameters belong to: the trained tensors' shapes and the sum of the frozen ones,
+    so that a checkpoint of another rank is refused by name rather than by a shape error, and one of another
+    drafter of the same shapes is refused rather than resumed."""
     ids = {id(p) for p in trained}
     frozen = sum(float(p.detach().double().sum()) for p in drafter.parameters() if id(p) not in ids)
     return {"shapes": [list(p.shape) for p in trained], "frozen_sum": frozen}
