@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+import slimspec.distill.static_decode as decoding
 from slimspec.checkpoint.target_model import (
     chat_ids,
     default_aux_layers,
@@ -34,7 +35,7 @@ from slimspec.checkpoint.target_model import (
 )
 from slimspec.checkpoint.writer import remove_stale_temps
 from slimspec.distill.answers import batch_spans, journal_rows, load_answers
-from slimspec.distill.static_decode import cut_at_stop, static_decode, static_prefill, supports
+from slimspec.distill.static_decode import cut_at_stop, static_prefill, supports
 from slimspec.embedded import cache_dir, file_lock
 from slimspec.errors import SlimSpecError
 from slimspec.hardware import GENERATION_DTYPES, default_generation_dtype, resolve_device
@@ -582,9 +583,11 @@ def _static_generate(model, tokenizer, prefixes: list[list[int]], settings: Teac
     start, tokens = time.perf_counter(), 0
     for b in range(0, len(order), settings.generation_batch):
         idx = order[b:b + settings.generation_batch]
-        results = static_decode(model, [prefixes[i] for i in idx], settings.max_new_tokens,
-                                eos_token_id=stop_token_ids(model, tokenizer), pad_token_id=pad,
-                                temperature=settings.temperature, generator=generator, capture=settings.aux_layers)
+        # looked up in its module at each call: tests stand in for the decoder there (count, interrupt)
+        results = decoding.static_decode(model, [prefixes[i] for i in idx], settings.max_new_tokens,
+                                         eos_token_id=stop_token_ids(model, tokenizer), pad_token_id=pad,
+                                         temperature=settings.temperature, generator=generator,
+                                         capture=settings.aux_layers)
         write_batch(idx, [r.response for r in results], [(r.aux, r.final) for r in results])
         tokens += sum(len(r.response) for r in results)
         bar.update(len(idx))
