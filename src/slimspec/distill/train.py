@@ -542,31 +542,60 @@ def train_drafter(
         drafter.to(origin)
 
 
+@dataclass(frozen=True, eq=False)
+class TeacherSpec:
+    """What the head is distilled against, as the loop's steps read it.
+
+    ``kind``: ``target`` (the target's distribution at the next position; answer positions teach) or ``drafter``
+    (the source drafter's full-rank head on the same states; every training position teaches). ``source``: rows of
+    :func:`source_states`, which the drafter teacher scores while the backbone trains; None: the teacher scores
+    the student's own states (``drafter``) or the target's (``target``)."""
+
+    kind: str = "target"
+    source: torch.Tensor | None = None
+
+    @property
+    def source_rows(self) -> bool:
+        """Teacher rows index ``source`` (position * k + step) rather than the target's positions."""
+        return self.source is not None
+
+    @property
+    def all_positions(self) -> bool:
+        """Every training position teaches with weight 1, prompt positions included."""
+        return self.kind == "drafter"
+
+
+def teacher_spec(drafter: Eagle3Drafter, teacher: TeacherData, cfg: DistillConfig, indices: list[int],
+                 progress: bool = False) -> TeacherSpec:
+    """The teacher ``cfg`` names. The drafter teacher of a training backbone scores the source backbone's states,
+    computed once here for the sequences ``indices`` (the student's own states move as it trains)."""
+    if cfg.teacher == "drafter" and cfg.train_backbone:
+        return TeacherSpec("drafter", source_states(drafter, teacher, indices, cfg.ttt_steps, progress))
+    return TeacherSpec(cfg.teacher)
+
+
 def _distill(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.Tensor, cfg: DistillConfig,
              checkpoint_dir: Path | None, resume: bool, progress: bool, keep_every: int, run: dict) -> DistillResult:
     """:func:`train_drafter` on the device the drafter and ``teacher_head`` are on."""
     torch.manual_seed(cfg.seed)
     teacher_head = teacher_head.float()
-    k, kind = cfg.ttt_steps, cfg.teacher
-    if kind not in TEACHERS:
-        raise SlimSpecError(f"teacher must be one of {', '.join(TEACHERS)}, got {kind!r}")
+    if cfg.teacher not in TEACHERS:
+        raise SlimSpecError(f"teacher must be one of {', '.join(TEACHERS)}, got {cfg.teacher!r}")
     train_idx, eval_idx = split_sequences(teacher, cfg.eval_every_nth)
     drafter.requires_grad_(False)
-    # The drafter teacher with a training backbone scores the source backbone's states, computed once here.
-    frozen = kind == "drafter" and cfg.train_backbone
-    source = source_states(drafter, teacher, train_idx + eval_idx, k, progress) if frozen else None
-    eval_features, kl_before, top1_before = _held_out(drafter, teacher, teacher_head, cfg, eval_idx, frozen, source)
-    train_features, table = _training_rows(drafter, teacher, teacher_head, cfg, train_idx, progress)
+    spec = teacher_spec(drafter, teacher, cfg, train_idx + eval_idx, progress)
+    eval_features, kl_before, top1_before = _held_out(drafter, teacher, teacher_head, cfg, eval_idx, spec)
+    train_features, table = _training_rows(drafter, teacher, teacher_head, cfg, train_idx, spec, progress)
     _balance_factors(drafter)
     params = trainable_parameters(drafter, cfg.train_backbone)
-    state = _Training(drafter, teacher, teacher_head, cfg, frozen, source, train_idx, train_features, table, params,
+    state = _Training(drafter, teacher, teacher_head, cfg, spec, train_idx, train_features, table, params,
                       optimizer=_optimizer(drafter, params, cfg), generator=torch.Generator().manual_seed(cfg.seed),
                       checkpoint_dir=checkpoint_dir, keep_every=keep_every,
                       run={**run, "student": _student_identity(drafter, params)})
     start_step = _resume(state) if resume else 0
     tokens_per_second, seconds = _train(state, start_step, progress)
     drafter.requires_grad_(False)
-    _, kl_after, top1_after = _held_out(drafter, teacher, teacher_head, cfg, eval_idx, frozen, source,
+    _, kl_after, top1_after = _held_out(drafter, teacher, teacher_head, cfg, eval_idx, spec,
                                         None if cfg.train_backbone else eval_features)
     return DistillResult(steps=cfg.steps, kl_before=kl_before[0], kl_after=kl_after[0], kl_before_per_step=kl_before,
                          kl_after_per_step=kl_after, history=state.history, top1_before_per_step=top1_before,
@@ -575,20 +604,22 @@ def _distill(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.T
 
 
 def _held_out(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.Tensor, cfg: DistillConfig,
-              eval_idx: list[int], frozen: bool, source: torch.Tensor | None,
+              eval_idx: list[int], spec: TeacherSpec,
               features: StudentFeatures | None = None) -> tuple[StudentFeatures, list[float], list[float]]:
     """(held-out features, KL per TTT step, top-1 agreement per TTT step). ``features``: those of an earlier
     evaluation, still valid while the backbone is frozen; None computes them from the drafter as it is now."""
     if features is None:
-        features = student_features(drafter, teacher, eval_idx, cfg.ttt_steps, source_rows=frozen, allow_empty=True)
-    _, kl_per_step = evaluate_kl(drafter, features, teacher, teacher_head, cfg.decay, kind=cfg.teacher,
-                                 source=source)
-    top1 = evaluate_top1(drafter, features, teacher, teacher_head, kind=cfg.teacher, source=source)
+        features = student_features(drafter, teacher, eval_idx, cfg.ttt_steps, source_rows=spec.source_rows,
+                                    allow_empty=True)
+    _, kl_per_step = evaluate_kl(drafter, features, teacher, teacher_head, cfg.decay, kind=spec.kind,
+                                 source=spec.source)
+    top1 = evaluate_top1(drafter, features, teacher, teacher_head, kind=spec.kind, source=spec.source)
     return features, kl_per_step, top1
 
 
 def _training_rows(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: torch.Tensor, cfg: DistillConfig,
-                   train_idx: list[int], progress: bool) -> tuple[StudentFeatures | None, torch.Tensor | None]:
+                   train_idx: list[int], spec: TeacherSpec,
+                   progress: bool) -> tuple[StudentFeatures | None, torch.Tensor | None]:
     """Head-only: the frozen drafter's features of the training rows and the teacher's log-probabilities of them
     (None where that table does not fit). A training backbone draws whole sequences each step instead: (None,
     None), once some training sequence is known to hold answer tokens (as ``student_features`` demands)."""
@@ -598,8 +629,8 @@ def _training_rows(drafter: Eagle3Drafter, teacher: TeacherData, teacher_head: t
             raise SlimSpecError(f"no teacher sequence has answer tokens to learn from (each needs more than {k} "
                                 "tokens, some of them answer tokens)")
         return None, None
-    features = student_features(drafter, teacher, train_idx, k, progress, all_positions=cfg.teacher == "drafter")
-    table = frozen_teacher_table(features, teacher, teacher_head, cfg.teacher, cfg.teacher_temperature, progress)
+    features = student_features(drafter, teacher, train_idx, k, progress, all_positions=spec.all_positions)
+    table = frozen_teacher_table(features, teacher, teacher_head, spec.kind, cfg.teacher_temperature, progress)
     return features, table
 
 
@@ -634,8 +665,7 @@ class _Training:
     teacher: TeacherData
     teacher_head: torch.Tensor
     cfg: DistillConfig
-    frozen: bool  # the drafter teacher scores the source backbone's states (``source``) while the backbone trains
-    source: torch.Tensor | None
+    spec: TeacherSpec
     train_idx: list[int]
     features: StudentFeatures | None  # head-only: the rows a step draws from
     table: torch.Tensor | None  # head-only: the teacher's log-probabilities of those rows, when they fit
@@ -715,7 +745,7 @@ def _train_step(state: _Training, step: int, rank: int, world: int) -> tuple[flo
         group["lr"] = _lr_at(step, cfg) * group["scale"]
     optimizer.zero_grad(set_to_none=True)
     loss, per_step = kl_terms(state.drafter, hidden, teacher_index, weight, state.teacher, state.teacher_head,
-                              cfg.decay, global_weight, kind=cfg.teacher, source=state.source,
+                              cfg.decay, global_weight, kind=state.spec.kind, source=state.spec.source,
                               matmul_dtype=torch.bfloat16 if cfg.bf16 else None,
                               teacher_temperature=cfg.teacher_temperature,
                               teacher_logits=logits, teacher_rows=table_rows)
@@ -745,7 +775,7 @@ def _draw_batch(state: _Training, rank: int, world: int):
     if cfg.train_backbone:
         with torch.autocast(state.drafter.fc.weight.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             hidden, teacher_index, weight = _backbone_batch(state.drafter, state.teacher, state.train_idx, cfg,
-                                                            state.generator, rank, world, state.frozen)
+                                                            state.generator, rank, world, state.spec)
         return hidden, teacher_index, weight, None, None
     features = state.features
     rows = torch.randint(0, features.hidden.shape[0], (cfg.batch_tokens,), generator=state.generator)
@@ -753,10 +783,9 @@ def _draw_batch(state: _Training, rank: int, world: int):
     return features.hidden[rows], features.teacher_index[rows], features.weight[rows], state.table, rows
 
 
-def _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world, source_rows=False):
-    """Whole sequences, drawn at random until the batch holds ``batch_tokens`` positions (split over ranks).
-
-    ``source_rows`` (drafter teacher): teacher rows index the source states and every position teaches."""
+def _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world, spec: TeacherSpec):
+    """Whole sequences, drawn at random until the batch holds ``batch_tokens`` positions (split over ranks), through
+    the training drafter; their teacher rows and weights as ``spec`` says."""
     chosen, count = [], 0
     while count < cfg.batch_tokens:
         i = train_idx[int(torch.randint(0, len(train_idx), (1,), generator=generator))]
@@ -764,9 +793,9 @@ def _backbone_batch(drafter, teacher, train_idx, cfg, generator, rank, world, so
         count += max(0, int(teacher.starts[i + 1] - teacher.starts[i]) - cfg.ttt_steps)
         if len(chosen) > 10 * len(train_idx):
             break
-    parts = batched_student_outputs(drafter, teacher, chosen[rank::world], cfg.ttt_steps, source_rows)
+    parts = batched_student_outputs(drafter, teacher, chosen[rank::world], cfg.ttt_steps, spec.source_rows)
     parts = [p for p in parts if p is not None]
-    if source_rows:
+    if spec.all_positions:
         parts = [(h, index, torch.ones_like(w)) for h, index, w in parts]
     device = drafter.fc.weight.device
     if not parts:
