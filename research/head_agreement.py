@@ -4,7 +4,7 @@ Teacher-forced, per TTT step, on the answer positions of some teacher data (targ
 source drafter's argmax accuracy on the target's next token, each converted head's accuracy on the *same* hidden
 states (the backbone is the source's), how often the two argmaxes agree, and that agreement where the source is
 sure (top probability > 0.5) or unsure. Comparing the data a head was calibrated on with other prompts measures
-how far the low-rank head's fit carries (BENCHMARKS.md "Where the rank-72 head loses"). Measuring on eval/
+how far the low-rank head's fit carries (docs/research.md). Measuring on eval/
 prompts is allowed; never train on that teacher data.
 
     python research/head_agreement.py out/conv/brief,out/conv/chat300 --data src/slimspec/data/eval/mt_bench.jsonl

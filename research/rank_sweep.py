@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from slimspec.errors import SlimSpecError
     from slimspec.hub import resolve_model
-    from slimspec.workflows.recipes import convert_briefly
+    from slimspec.workflows.convert import convert_briefly
 
     try:
         source = str(resolve_model(args.source, "drafter").resolve())  # vLLM runs from another folder

@@ -111,15 +111,16 @@ def bench_distill_starts(steps: int = 60) -> list[str]:
     """Which start of the stitched full-vocab head distils best (step-0 KL, KL after N steps)."""
     import tempfile
 
-    from slimspec.workflows.convert import convert_drafter
     from slimspec.distill.pipeline import DataOptions
     from slimspec.distill.train import DistillConfig
+    from slimspec.workflows.convert import convert_drafter
 
     drafter = REFERENCE
     rows = []
     for stitch, init in (("target", "svd"), ("zero", "svd"), ("scaled", "svd"), ("target", "whitened")):
         with tempfile.TemporaryDirectory() as tmp:
-            res = convert_drafter(drafter, "embedded:smollm2-135m", "d/8", out=Path(tmp) / "o", stitch=stitch, init=init,
+            res = convert_drafter(drafter, "embedded:smollm2-135m", "d/8", out=Path(tmp) / "o", stitch=stitch,
+                                  init=init,
                           distill_steps=steps, progress=False,
                           data_options=DataOptions(responses="regenerate", max_new_tokens=64),
                           distill_config=DistillConfig(batch_tokens=2048, warmup_steps=5))
@@ -182,8 +183,8 @@ TARGET = "embedded:smollm2-135m"
 def bench_plane() -> list[str]:
     """The acceptance-cost plane of the reference drafter (SlimSpec d/2..d/16 over the full
     and the draft vocabulary, each briefly distilled; VocabTrim and FR-Spec trims)."""
-    from slimspec.workflows.plane import build_plane
     from slimspec.evaluate.plane import plane_report
+    from slimspec.workflows.plane import build_plane
 
     out = ROOT / "out" / "bench-plane"
     points = build_plane(REFERENCE, TARGET, out, ranks=("d/2", "d/4", "d/8", "d/16"), vocabs=("full", "draft"),
@@ -212,8 +213,9 @@ def bench_decode() -> list[str]:
     distillation), reference decoder and vLLM side by side."""
     import tempfile
 
-    from slimspec.workflows.recipes import BRIEF_RECIPES, convert_briefly
     from slimspec.evaluate.acceptance import evaluate
+    from slimspec.workflows.convert import convert_briefly
+    from slimspec.workflows.recipes import BRIEF_RECIPES
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -255,9 +257,9 @@ def bench_teacher(num_prompts: int = 128, new_tokens: int = 128) -> list[str]:
     """Teacher data for distillation, both engines side by side: answers + features, tokens/s, answer agreement."""
     import tempfile
 
-    from slimspec.prompts import load_prompts
     from slimspec.distill.teacher import TeacherSettings, build_teacher_data
     from slimspec.embedded import embedded_target_path
+    from slimspec.prompts import load_prompts
 
     target = embedded_target_path(progress=False)
     prompts = load_prompts(None)[:num_prompts]
@@ -315,9 +317,9 @@ def bench_teacher_rebuild(num_prompts: int = 128, new_tokens: int = 128, batch: 
 
     import slimspec.distill.static_decode as sd
     from slimspec.distill.answers import answers_of_cache, save_answers
-    from slimspec.prompts import load_prompts
     from slimspec.distill.teacher import TeacherSettings, build_teacher_data
     from slimspec.embedded import embedded_target_path
+    from slimspec.prompts import load_prompts
 
     target = embedded_target_path(progress=False)
     prompts = load_prompts(None)[:num_prompts]
@@ -379,10 +381,10 @@ def bench_generation_dtype(num_prompts: int = 32, new_tokens: int = 64) -> list[
     measurement behind ``slimspec.hardware.default_generation_dtype`` (bf16 only with native bf16 instructions)."""
     import tempfile
 
-    from slimspec.prompts import load_prompts
     from slimspec.distill.teacher import TeacherSettings, build_teacher_data
     from slimspec.embedded import embedded_target_path
     from slimspec.hardware import _BF16_CPU_FLAGS, cpu_flags, default_generation_dtype
+    from slimspec.prompts import load_prompts
 
     target = embedded_target_path(progress=False)
     prompts = load_prompts(None)[:num_prompts]

@@ -129,8 +129,8 @@ TAU_FLOOR = 1.8  # the shipped drafter's quality floor, on EVAL_ALL
 
 
 def main() -> int:
-    from slimspec.distill.pipeline import DataOptions
     from slimspec.checkpoint.target_model import load_target_parts
+    from slimspec.distill.pipeline import DataOptions
     from slimspec.distill.scratch import scratch_teacher, train_from_scratch
     from slimspec.distill.train import DistillConfig
 
@@ -237,9 +237,9 @@ def gate(folder: Path, target: str) -> dict:
     The full eval stage adds the reference decoder (~30 min for 96 prompts here); the two engines have agreed to
     the last digit on every build measured, so a chain decides on vLLM's number and evaluates fully what it keeps.
     """
-    from slimspec.prompts import eval_prompts
     from slimspec.evaluate.vllm_engine import evaluate_vllm
     from slimspec.hub import resolve_model
+    from slimspec.prompts import eval_prompts
 
     settings = {k: v for k, v in EVAL_ALL.items() if k not in ("dataset", "num_prompts")}
     drafter = resolve_model(str(folder), "drafter").resolve()  # a missing folder fails here, not in vLLM's start-up
@@ -311,10 +311,10 @@ def mix_teachers(mix: str, options, target, only: list[str] | None = None) -> li
 def save_teacher_answers(target, options) -> dict:
     """Save the answers of the teacher cache ``options`` give (finished, or the batches an unfinished build has
     done) to ``options.answers``, unless the file already holds as many."""
-    from slimspec.distill.answers import answers_in_progress, answers_of_cache, load_answers, save_answers
-    from slimspec.prompts import load_prompts
     from slimspec.checkpoint.target_model import default_aux_layers
+    from slimspec.distill.answers import answers_in_progress, answers_of_cache, load_answers, save_answers
     from slimspec.distill.teacher import teacher_location
+    from slimspec.prompts import load_prompts
 
     prompts = load_prompts(options.data, limit=options.num_prompts)
     settings = options.teacher_settings(options.aux_layers or default_aux_layers(target.num_layers))
@@ -341,12 +341,12 @@ def warm_train(mix: str, init: Path, out: Path, options, cfg, target: str, resum
     import torch
 
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.model import drafter_model
     from slimspec.checkpoint.target_model import load_target_parts
     from slimspec.distill.pipeline import teacher_head_for
     from slimspec.distill.scratch import write_eagle_layout
     from slimspec.distill.teacher_union import concat_teacher_data
     from slimspec.distill.train import train_drafter
+    from slimspec.model import drafter_model
 
     parts = load_target_parts(target)
     ckpt = load_drafter(init)
@@ -377,10 +377,10 @@ def acceptance_by_target_confidence(folder: Path) -> dict:
     import torch
 
     from slimspec.checkpoint.drafter import load_drafter
-    from slimspec.distill.pipeline import DataOptions, teacher_for
-    from slimspec.model import drafter_model
     from slimspec.checkpoint.target_model import load_target_parts
+    from slimspec.distill.pipeline import DataOptions, teacher_for
     from slimspec.distill.train import student_features
+    from slimspec.model import drafter_model
 
     ckpt = load_drafter(folder)
     parts = load_target_parts("embedded:smollm2-135m")
@@ -413,9 +413,9 @@ def tau_curve(folder: Path, path: Path, num_prompts: int = 8) -> list[dict]:
     import torch
 
     from slimspec.checkpoint.target_model import chat_ids, load_target_model
-    from slimspec.prompts import eval_prompts
     from slimspec.evaluate.acceptance import load_for_eval
     from slimspec.evaluate.spec_decode import DecodeStats, SpeculativeDecoder
+    from slimspec.prompts import eval_prompts
 
     drafter, layers, parts, _ = load_for_eval(str(folder), "embedded:smollm2-135m")
     target, tokenizer = load_target_model(parts.path)

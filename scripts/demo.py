@@ -26,11 +26,12 @@ PLANE_BUDGET_S = 12 * 60
 
 def main() -> int:
     from slimspec import embedded
-    from slimspec.workflows.recipes import BRIEF_DISTILL_STEPS, brief_command, brief_distillation, convert_briefly
     from slimspec.checkpoint.target_model import load_target_model
     from slimspec.evaluate.acceptance import evaluate, load_for_eval, record_tau
     from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
     from slimspec.hardware import resolve_device
+    from slimspec.workflows.convert import convert_briefly
+    from slimspec.workflows.recipes import BRIEF_DISTILL_STEPS, brief_command, brief_distillation
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--distill-steps", type=int, default=BRIEF_DISTILL_STEPS)

@@ -71,8 +71,8 @@ def main() -> int:
     import torch
 
     import slimspec.distill.teacher as teacher
-    from slimspec.prompts import Prompt
     from slimspec.distill.teacher import TeacherSettings, build_teacher_data
+    from slimspec.prompts import Prompt
     seen: set[str] = set()  # "features@device" / "answers@device dtype" of the target's calls in one build
     forward, answer = teacher._features, teacher._generate
 

@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 API = {
     "convert_drafter": ("slimspec.workflows.convert", "convert_drafter"),
-    "convert_briefly": ("slimspec.workflows.recipes", "convert_briefly"),
+    "convert_briefly": ("slimspec.workflows.convert", "convert_briefly"),
     "distill_drafter": ("slimspec.distill.pipeline", "distill"),
     "evaluate_drafter": ("slimspec.evaluate.acceptance", "evaluate"),
     "push": ("slimspec.workflows.publish", "push"),

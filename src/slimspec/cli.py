@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import warnings
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,18 +14,16 @@ import click
 import torch
 import torch.distributed as dist
 
-from slimspec import __version__, choices, embedded
+from slimspec import __version__, choices
 from slimspec.checkpoint import load_drafter
 from slimspec.checkpoint.files import read_json
 from slimspec.checkpoint.target_model import load_target_model, target_of
 from slimspec.checkpoint.writer import nearest_existing_parent
 from slimspec.convert.pipeline import ConvertResult, model_name
 from slimspec.convert.rank import RankError, parse_rank
-from slimspec.distill.pipeline import DataOptions
 from slimspec.distill.pipeline import distill as run_distill
 from slimspec.distill.scratch import train_from_scratch
-from slimspec.distill.train import DistillConfig
-from slimspec.errors import SlimSpecError, SlimSpecWarning
+from slimspec.errors import OptionError, SlimSpecError, SlimSpecWarning
 from slimspec.evaluate.acceptance import evaluate, load_for_eval
 from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
 from slimspec.evaluate.plane import plane_report
@@ -33,9 +32,10 @@ from slimspec.hub import HUB_ID, resolve_model
 from slimspec.inspection import inspect_drafter
 from slimspec.workflows import convert as conversion
 from slimspec.workflows.batch import run_batch
+from slimspec.workflows.job import conversion_job, data_options_from, distill_config_from
 from slimspec.workflows.plane import build_plane, convert_rank_auto
 from slimspec.workflows.publish import push as run_push
-from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_command, brief_keys
+from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_command
 
 
 class FiniteFloat(click.FloatRange):
@@ -72,6 +72,8 @@ class SlimSpecGroup(click.Group):
         warnings.showwarning = show
         try:
             return super().invoke(ctx)
+        except OptionError as exc:  # the library names options; the CLI shows its flags
+            _fail(exc.render(flag))
         except SlimSpecError as exc:
             _fail(str(exc))
         except click.UsageError as exc:
@@ -157,7 +159,7 @@ def data_options(func):
                      help="Mixed-precision distillation: the drafter's forward under bf16 autocast and the KL's "
                           "logit/gradient matmuls in bf16 (softmax, KL and sums stay fp32). Faster where bf16 "
                           "matmuls are (scripts/bench.py --only train-step measures it); logits rounded to bf16 "
-                          "(BENCHMARKS.md: what it costs)."),
+                          "(docs/distillation.md: what it costs)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -173,25 +175,6 @@ def _int_list(text: str, hint: str) -> list[int]:
                                  param_hint=hint) from None
 
 
-def _data_and_config(kw: dict, steps: int):
-    aux = _int_list(kw.pop("aux_layers"), "--aux-layers") if kw.get("aux_layers") else None
-    options = DataOptions(data=list(kw.pop("data")) or None, num_prompts=kw.pop("num_prompts"),
-                          responses=kw.pop("responses"), max_new_tokens=kw.pop("max_new_tokens"),
-                          temperature=(temperature := kw.pop("temperature")),
-                          seed=kw["seed"] if temperature > 0 else 0, aux_layers=aux,
-                          aux_convention=kw.pop("aux_convention"),
-                          engine=kw.pop("generation_engine"),
-                          generation_dtype=None if (g := kw.pop("generation_dtype")) == "auto" else g,
-                          device=kw.pop("device"))
-
-    resolve_device(options.device)  # an unusable --device fails now, not after the conversion's first stages
-    cfg = DistillConfig(steps=steps, ttt_steps=kw.pop("ttt_steps"), lr=kw.pop("lr"),
-                        warmup_steps=kw.pop("warmup_steps"), batch_tokens=kw.pop("batch_tokens"),
-                        seed=kw.pop("seed"), teacher=kw.pop("teacher"),
-                        bf16=kw.pop("bf16"), teacher_temperature=kw.pop("teacher_temperature"))
-    return options, cfg
-
-
 def _given(ctx: click.Context, name: str) -> bool:
     return ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
 
@@ -201,44 +184,9 @@ def _given_options(ctx: click.Context, wanted) -> list[click.Parameter]:
     return [p for p in ctx.command.params if wanted(p.name) and _given(ctx, p.name)]
 
 
-def _is_local(name: str) -> bool:
-    return embedded.is_embedded(name) or Path(name).expanduser().exists()
-
-
-def _data_option_names() -> set[str]:
-    return {p.name for p in data_options(lambda: None).__click_params__}
-
-
-def _refuse_unread_data_options(ctx: click.Context, rank: str, init: str, distill_steps: int) -> None:
-    """Data and distillation options of a conversion that computes no teacher data (or trains nothing) are refused,
-    rather than silently ignored (``convert --aux-layers 2,5,8`` with an SVD start reads no teacher data at all)."""
-    if rank == "auto" or distill_steps > 0:  # --rank auto refuses what its recipe ignores; steps read everything
-        return
-    given = _given_options(ctx, _data_option_names().__contains__)
-    if init != "whitened" and given:
-        raise click.UsageError(f"this conversion reads no data (SVD start, no --distill-steps), so "
-                               f"{', '.join(p.opts[0] for p in given)} would be ignored: add --distill-steps N "
-                               "(or --init whitened), or drop them")
-    unread = [p.opts[0] for p in given if p.name in choices.DISTILL_ONLY_OPTIONS]
-    if unread:
-        raise click.UsageError(f"{', '.join(unread)} only shape distillation steps: add --distill-steps N or drop "
-                               "them")
-
-
-def _refuse_unused_convert_options(ctx: click.Context, drafter: str, target: str | None, rank: str, vocab: str,
-                                   revision: str | None, target_revision: str | None, push_to: str | None) -> None:
-    """Options this conversion would ignore (or record wrongly) are refused before any work; so is a bad --push-to."""
-    if _given(ctx, "kappa") and rank != "auto":
-        raise click.UsageError("--kappa weighs the candidates of --rank auto; give --rank auto or drop it")
-    if _given(ctx, "stitch") and vocab != "full":
-        raise click.UsageError("--stitch fills the rows a --vocab full head adds; --vocab draft adds none")
-    if revision and _is_local(drafter):
-        raise click.UsageError(f"--revision pins a Hub drafter; {drafter} is local")
-    if target_revision and target and _is_local(target):
-        raise click.UsageError(f"--target-revision pins a Hub target; {target} is local")
-    if push_to:
-        if not HUB_ID.match(push_to):
-            raise click.UsageError(f"--push-to {push_to!r} is not a Hub repo id (owner/name)")
+def flag(option: str) -> str:
+    """The CLI flag of an option name (``distill_steps`` -> ``--distill-steps``)."""
+    return "--" + option.replace("_", "-")
 
 
 RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "overwrite", "distill_steps", "num_prompts",
@@ -294,38 +242,20 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
           --target meta-llama/Llama-3.1-8B-Instruct --rank d/8
     """
     ctx = click.get_current_context()
-    if recipe is not None and rank != "auto":  # --rank auto refuses it below, with the options its recipe ignores
-
-        for key, value in brief_keys(drafter, target).items():
-            if _given(ctx, key):
-                continue
-            if key == "vocab":
-                vocab = value
-            elif key == "distill_steps":
-                distill_steps = value
-            else:
-                kw[key] = value
-    _refuse_unused_convert_options(ctx, drafter, target, rank, vocab, revision, target_revision, push_to)
-    _refuse_unread_data_options(ctx, rank, init, distill_steps)
-    options, cfg = _data_and_config(kw, distill_steps)
+    given = {p.name for p in _given_options(ctx, lambda name: True)}
+    if kw.get("aux_layers"):
+        kw["aux_layers"] = _int_list(kw["aux_layers"], "--aux-layers")
+    options = {**kw, "drafter": drafter, "target": target, "rank": rank, "vocab": vocab, "out": out, "dtype": dtype,
+               "overwrite": overwrite, "revision": revision, "target_revision": target_revision, "stitch": stitch,
+               "init": init, "distill_steps": distill_steps, "push_to": push_to, "recipe": recipe}
+    if _given(ctx, "kappa") and rank != "auto":
+        raise click.UsageError("--kappa weighs the candidates of --rank auto; give --rank auto or drop it")
     if rank == "auto":
-        fixed = [p.opts[0] for p in _given_options(ctx, lambda name: name not in RANK_AUTO_OPTIONS)]
-        if fixed:
-            raise click.UsageError(f"--rank auto runs the plane's own recipe (drafter teacher, shipped calibration "
-                                   f"prompts) and takes no {', '.join(fixed)}")
-        target = target or target_of(drafter)
-        out = out or Path(f"{model_name(drafter)}-slimspec-auto")
-        best, _ = convert_rank_auto(drafter, target, out, kappa=kappa, vocab=vocab,
-                                    distill_steps=distill_steps if _given(ctx, "distill_steps") else 60,
-                                    calibration_prompts=options.num_prompts or 64,
-                                    overwrite=overwrite, progress=not quiet, device=options.device)
-        saved = json.loads((out / "slimspec.json").read_text())
-        result = ConvertResult(out=out, rank=saved["rank"], report=saved)
+        result = _convert_rank_auto(ctx, options, kappa, quiet)
     else:
-        result = conversion.convert_drafter(drafter, target, rank, vocab=vocab, out=out, dtype=dtype,
-                                            overwrite=overwrite, revision=revision, target_revision=target_revision,
-                                            progress=not quiet, stitch=stitch, init=init, distill_steps=distill_steps,
-                                            data_options=options, distill_config=cfg)
+        job = conversion_job(options, given, progress=not quiet)
+        job.validate()
+        result = conversion.run_conversion(job)
     report = {"out": str(result.out), **result.report}
     if "distill" not in report:
         warnings.warn(f"{result.out} is not distilled: a conversion without --distill-steps can lose most of the "
@@ -345,6 +275,31 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
     _print_convert_report(report)
     if push_to:
         click.echo(f"pushed to {report['pushed_to']}")
+
+
+def _convert_rank_auto(ctx: click.Context, options: dict, kappa: float, quiet: bool) -> ConvertResult:
+    """``--rank auto``: the plane's own recipe at each candidate rank; options it would ignore are refused."""
+    fixed = [p.opts[0] for p in _given_options(ctx, lambda name: name not in RANK_AUTO_OPTIONS)]
+    if fixed:
+        raise click.UsageError(f"--rank auto runs the plane's own recipe (drafter teacher, shipped calibration "
+                               f"prompts) and takes no {', '.join(fixed)}")
+    job = conversion_job({**options, "rank": "d/8"}, ())
+    _check_push_to(options.get("push_to"))
+    resolve_device(job.data_options.device)
+    drafter = options["drafter"]
+    target = options["target"] or target_of(drafter)
+    out = options["out"] or Path(f"{model_name(drafter)}-slimspec-auto")
+    convert_rank_auto(drafter, target, out, kappa=kappa, vocab=options["vocab"],
+                      distill_steps=options["distill_steps"] if _given(ctx, "distill_steps") else 60,
+                      calibration_prompts=job.data_options.num_prompts or 64,
+                      overwrite=options["overwrite"], progress=not quiet, device=job.data_options.device)
+    saved = json.loads((out / "slimspec.json").read_text())
+    return ConvertResult(out=out, rank=saved["rank"], report=saved)
+
+
+def _check_push_to(push_to: str | None) -> None:
+    if push_to and not HUB_ID.match(push_to):
+        raise click.UsageError(f"--push-to {push_to!r} is not a Hub repo id (owner/name)")
 
 
 def _print_convert_report(report: dict) -> None:
@@ -420,10 +375,14 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
         if backbone_lr is not None and not train_backbone:
             raise click.UsageError("--backbone-lr is the backbone's lr: add --train-backbone (the head trains alone "
                                    "without it)")
-    options, cfg = _data_and_config(kw, steps)
+    if kw.get("aux_layers"):
+        kw["aux_layers"] = _int_list(kw["aux_layers"], "--aux-layers")
+    options = data_options_from(kw)
+    resolve_device(options.device)  # an unusable --device fails now, not after the teacher data
     if backbone_lr is not None and backbone_lr <= 0:
         raise SlimSpecError(f"--backbone-lr must be > 0, got {backbone_lr:g}")
-    cfg.train_backbone, cfg.backbone_lr, cfg.save_every = train_backbone, backbone_lr, save_every
+    cfg = replace(distill_config_from(kw, steps), train_backbone=train_backbone, backbone_lr=backbone_lr,
+                  save_every=save_every)
     _init_distributed()
     if from_scratch:
         if checkpoint is not None or target is None or out is None:

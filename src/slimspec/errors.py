@@ -22,3 +22,19 @@ class RankError(SlimSpecError):
 
 class SlimSpecWarning(UserWarning):
     """Something the user should know that does not stop the work (e.g. source tensors a conversion cannot carry)."""
+
+
+class OptionError(SlimSpecError):
+    """A conversion or distillation option that cannot be honoured, in the library's terms.
+
+    The message names options as ``{name}`` fields of ``template``, filled with the option names themselves
+    (the Python API's keyword arguments, a manifest's keys); the CLI shows its flags instead (:meth:`render`).
+    """
+
+    def __init__(self, template: str, *options: str):
+        self.template, self.options = template, options
+        super().__init__(self.render(str))
+
+    def render(self, spell) -> str:
+        """The message with each option written as ``spell(name)`` (e.g. ``--distill-steps`` for the CLI)."""
+        return self.template.format_map({name: spell(name) for name in self.options})

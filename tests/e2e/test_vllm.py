@@ -23,7 +23,7 @@ import slimspec
 from slimspec import embedded
 from slimspec.evaluate.vllm_engine import evaluate_vllm, run_vllm_check, vllm_python
 from slimspec.prompts import eval_prompts
-from slimspec.workflows.recipes import convert_briefly
+from slimspec.workflows.convert import convert_briefly
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -225,7 +225,7 @@ def test_recipe_brief_runs_the_demos_distillation(tmp_path, monkeypatch):
     README recommended. `recipe: brief` must hand `convert` exactly what `convert_briefly` does, and a key the job
     or the defaults give must override the recipe's."""
     from slimspec.embedded import EMBEDDED_DRAFTER, EMBEDDED_TARGET
-    from slimspec.workflows.recipes import convert_briefly
+    from slimspec.workflows.convert import convert_briefly
 
     seen = _captured_convert(monkeypatch)
     with pytest.raises(RuntimeError, match="stop here"):

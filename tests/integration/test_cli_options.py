@@ -84,7 +84,7 @@ def test_outputs_that_cannot_be_made_fail_before_any_work(tmp_path, monkeypatch)
 
 def test_an_undistilled_conversion_says_so(tmp_path):
     """Catches a conversion without distillation passing silently for a finished one: the SVD start alone kept
-    rho_tau 0.61 on the embedded drafter at d/8 (BENCHMARKS.md "Without distillation"). One warning line on stderr
+    rho_tau 0.61 on the embedded drafter at d/8 (docs/research.md). One warning line on stderr
     (also with --json, whose stdout stays one JSON object), and a note in the model card."""
     from slimspec.checkpoint.writer import NOT_DISTILLED_NOTE
 
@@ -177,7 +177,8 @@ def test_demo_command_line_is_the_demo_recipe(monkeypatch, tmp_path):
     import slimspec.convert.pipeline as pipeline
     import slimspec.workflows.convert as conversion
     from slimspec.embedded import EMBEDDED_DRAFTER, EMBEDDED_TARGET
-    from slimspec.workflows.recipes import brief_command, convert_briefly
+    from slimspec.workflows.convert import convert_briefly
+    from slimspec.workflows.recipes import brief_command
 
     seen = []
 

@@ -14,16 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slimspec import choices, embedded
+from slimspec import choices
 from slimspec.convert.pipeline import model_name
-from slimspec.convert.rank import parse_rank
-from slimspec.distill.pipeline import DataOptions
-from slimspec.distill.train import DistillConfig
-from slimspec.errors import RankError, SlimSpecError, SlimSpecWarning, first_line
+from slimspec.errors import OptionError, SlimSpecError, SlimSpecWarning, first_line
 from slimspec.evaluate.acceptance import evaluate, record_tau
-from slimspec.hardware import resolve_device
-from slimspec.hub import HUB_ID
 from slimspec.workflows import convert as conversion
+from slimspec.workflows.job import conversion_job
 from slimspec.workflows.publish import push
 from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_keys
 
@@ -41,15 +37,9 @@ CHOICES = {"vocab": choices.VOCABS, "stitch": choices.STITCHES, "init": choices.
            "dtype": (*choices.OUTPUT_DTYPES, None), "responses": choices.RESPONSES,
            "generation_engine": choices.GENERATION_ENGINES, "generation_dtype": choices.GENERATION_DTYPES,
            "teacher": choices.TEACHERS, "aux_convention": ("input", "output", None), "recipe": choices.RECIPES}
-DISTILL_CONFIG_KEYS = ("teacher", "lr", "warmup_steps", "batch_tokens", "ttt_steps", "seed", "bf16",
-                       "teacher_temperature")
-"""The job keys that become ``DistillConfig`` fields (the other distillation keys shape the teacher data)."""
 NULLABLE_KEYS = {"target", "dtype", "data", "num_prompts", "revision", "target_revision", "out", "push_to", "device",
                  "aux_layers", "aux_convention", "eval_prompts", "recipe"}
 """Keys whose null means "not given"; any other null fails the manifest (a blank YAML value is null)."""
-DATA_KEYS = {"data", "num_prompts", "responses", "max_new_tokens", "generation_engine", "generation_dtype",
-             *DISTILL_DEFAULTS}
-"""Job keys only a conversion that reads teacher data (a whitened start or distill_steps) reads."""
 SETTING_DEFAULTS = {"rank": "d/8", "vocab": "full", "stitch": "target", "init": "auto", "distill_steps": 0,
                     "responses": "regenerate", "max_new_tokens": 128}
 """Values of SETTINGS a job may write out or leave out, alike."""
@@ -176,38 +166,14 @@ def _check_values(job: dict[str, Any], where: str) -> None:
 
 
 def _check_job_reads(job: dict[str, Any], own: set[str], where: str) -> None:
-    """What ``slimspec convert`` refuses, a job refuses before any job runs: options its conversion would not read
-    (``own``: the keys the job itself gives; a default may serve only the jobs that read it), a rank batch cannot
-    resolve, a revision pinning a local folder, a bad ``push_to`` or ``device``."""
-    steps, init = job.get("distill_steps", 0), job.get("init", "auto")
-    if steps == 0:
-        unread = sorted(own & DATA_KEYS) if init != "whitened" else sorted(own & set(choices.DISTILL_ONLY_OPTIONS))
-        if unread:
-            raise SlimSpecError(f"{where}: {', '.join(unread)} would be ignored: the job has no distill_steps"
-                                f"{'' if init == 'whitened' else ' and an SVD start'} (set distill_steps, or "
-                                "recipe: brief; or drop them)")
-    if "stitch" in own and job.get("vocab", "full") != "full":
-        raise SlimSpecError(f"{where}: stitch fills the rows vocab full adds; vocab draft adds none")
-    rank = str(job.get("rank", "d/8"))
-    if rank.strip() == "auto":
-        raise SlimSpecError(f"{where}: rank auto is `slimspec convert --rank auto` only; give a batch job d/N, an "
-                            "integer or energy:F")
+    """What ``slimspec convert`` refuses, a job refuses before any job runs (``own``: the keys the job itself
+    gives; a default may serve only the jobs that read it): the conversion job's one ``validate()``."""
     try:
-        parse_rank(rank, 1 << 30)  # the syntax; the drafter's d decides the range when the job runs
-    except RankError as exc:
-        if "singular values" not in str(exc):
-            raise SlimSpecError(f"{where}: {str(exc).removesuffix('; convert also takes auto')}") from None
-    for key, name in (("revision", "drafter"), ("target_revision", "target")):
-        source = job.get(name)
-        if job.get(key) and source and (embedded.is_embedded(str(source)) or Path(str(source)).exists()):
-            raise SlimSpecError(f"{where}: {key} pins a Hub {name}; {source} is local")
-    if job.get("push_to") and not HUB_ID.match(str(job["push_to"])):
-        raise SlimSpecError(f"{where}: push_to {job['push_to']!r} is not a Hub repo id (owner/name)")
-    if job.get("device") is not None:
-        try:
-            resolve_device(str(job["device"]))
-        except SlimSpecError as exc:
-            raise SlimSpecError(f"{where}: {exc}") from None
+        conversion_job({**job, "recipe": None}, own).validate()  # the recipe is merged already
+    except OptionError as exc:
+        raise SlimSpecError(f"{where}: {exc.render(str)}") from None
+    except SlimSpecError as exc:
+        raise SlimSpecError(f"{where}: {exc}") from None
 
 
 def recipe_keys(job: dict[str, Any]) -> dict[str, Any]:
@@ -280,24 +246,10 @@ def run_job(job: dict[str, Any]) -> JobResult:
         report = json.loads((out / "slimspec.json").read_text())
         status = "skipped"
     else:
-        options = DataOptions(data=job.get("data"), num_prompts=job.get("num_prompts"),
-                              responses=job.get("responses", "regenerate"),
-                              max_new_tokens=int(job.get("max_new_tokens", 128)),
-                              engine=job.get("generation_engine", "transformers"),
-                              generation_dtype=None if job.get("generation_dtype", "auto") == "auto"
-                              else job["generation_dtype"], device=job.get("device"),
-                              temperature=float(job.get("temperature", 0.0)),
-                              seed=int(job.get("seed", 0)) if job.get("temperature", 0.0) > 0 else 0,
-                              aux_layers=job.get("aux_layers"), aux_convention=job.get("aux_convention"))
-        config = DistillConfig(steps=int(job.get("distill_steps", 0)),
-                               **{key: job[key] for key in DISTILL_CONFIG_KEYS if job.get(key) is not None})
-        result = conversion.convert_drafter(
-            str(job["drafter"]), job.get("target"), job.get("rank", "d/8"), vocab=job.get("vocab", "full"), out=out,
-            dtype=job.get("dtype"), revision=job.get("revision"),
-            overwrite=bool(job.get("overwrite")) or written_by_batch(out), target_revision=job.get("target_revision"),
-            progress=False, stitch=job.get("stitch", "target"), init=job.get("init", "auto"),
-            distill_steps=int(job.get("distill_steps", 0)), data_options=options, distill_config=config,
-            extra_report={"batch_job": fingerprint, "batch_inputs": inputs})
+        overwrite = bool(job.get("overwrite")) or written_by_batch(out)
+        result = conversion.run_conversion(conversion_job(
+            {**job, "out": out, "push_to": None, "recipe": None}, (), overwrite=overwrite, progress=False,
+            extra_report={"batch_job": fingerprint, "batch_inputs": inputs}))
         report, status = result.report, "done"
     if job.get("eval_prompts"):
         measured = evaluate(str(out), job.get("target"), num_prompts=int(job["eval_prompts"]), progress=False,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,11 +24,9 @@ from slimspec.checkpoint.writer import (
     save_tensors,
     write_json,
 )
-from slimspec.choices import INITS, STITCHES, VOCABS
 from slimspec.convert.factorize import centered_gram, factorize, gram_matrix, relative_error, squared_singular_values
 from slimspec.convert.pipeline import (
     ConvertResult,
-    VocabMode,
     check_finite_head,
     check_not_the_source,
     head_file_hash,
@@ -49,55 +47,8 @@ from slimspec.errors import SlimSpecError, SlimSpecWarning
 from slimspec.hub import resolve_model
 from slimspec.model import check_buildable
 from slimspec.progress import Stages
-
-
-@dataclass(frozen=True)
-class ConvertJob:
-    """One conversion's options: what ``slimspec convert``, a batch manifest's job and :func:`convert_drafter`
-    all build. ``validate()`` checks them before any download or teacher data; nothing here is mutated."""
-
-    drafter: str
-    target: str | None = None
-    rank: str | int = "d/8"
-    vocab: VocabMode = "full"
-    out: Path | None = None
-    dtype: str | torch.dtype | None = None  # bf16/fp16/fp32 or a torch dtype; None: the source's
-    overwrite: bool = False
-    revision: str | None = None
-    target_revision: str | None = None
-    stitch: str = "target"
-    init: str = "auto"
-    distill_steps: int = 0
-    data_options: DataOptions = field(default_factory=DataOptions)
-    distill_config: DistillConfig = field(default_factory=DistillConfig)
-    progress: bool = True
-    verify_samples: int = 16
-    extra_report: dict[str, Any] = field(default_factory=dict)
-
-    def validate(self) -> None:
-        """Refuse options no conversion can run with (one line each, in the library's own terms)."""
-        if self.vocab not in VOCABS:
-            raise SlimSpecError(f"vocab must be 'full' or 'draft', got {self.vocab!r}")
-        if self.init not in INITS:
-            raise SlimSpecError(f"init must be auto, svd or whitened; got {self.init!r}")
-        if self.stitch not in STITCHES:
-            raise SlimSpecError(f"stitch must be one of {', '.join(STITCHES)}; got {self.stitch!r}")
-        if isinstance(self.dtype, str):
-            torch_dtype(self.dtype)
-        if self.distill_steps < 0:
-            raise SlimSpecError(f"distill steps must be >= 0, got {self.distill_steps}")
-
-    @property
-    def resolved_init(self) -> str:
-        """``auto``: whitened when distilling (it starts at about half the KL), else svd."""
-        if self.init != "auto":
-            return self.init
-        return "whitened" if self.distill_steps > 0 else "svd"
-
-    @property
-    def reads_data(self) -> bool:
-        """Whether the conversion computes teacher data (a whitened start or distillation steps)."""
-        return self.resolved_init != "svd" or self.distill_steps > 0
+from slimspec.workflows.job import ConvertJob
+from slimspec.workflows.recipes import BRIEF_TEACHER, BRIEF_VOCAB, brief_distillation
 
 
 @dataclass
@@ -356,3 +307,16 @@ def conversion_config(job: ConvertJob, inputs: ConversionInputs, rank: int, head
     if inputs.target_revision:
         meta["target_revision"] = inputs.target_revision
     return drafter_config_json(ckpt.config, rank=rank, head_vocab=head_vocab, dtype=out_dtype, slimspec_meta=meta)
+
+
+def convert_briefly(drafter: str | Path, target: str | Path | None, rank: str | int, out: str | Path, *,
+                    teacher: str = BRIEF_TEACHER, vocab: str = BRIEF_VOCAB, steps: int | None = None,
+                    overwrite: bool = False, progress: bool = False) -> ConvertResult:
+    """``convert_drafter`` at ``rank`` with :func:`brief_distillation`'s recipe: what ``make demo`` runs, and what the
+    vLLM tests, the decode benchmark and ``research/rank_sweep.py`` measure. Returns the ``ConvertResult``."""
+    options, config = brief_distillation(steps, teacher)
+    if str(target) == embedded.EMBEDDED_TARGET or target is None and str(drafter) == embedded.EMBEDDED_DRAFTER:
+        # float32 answers on every CPU: the key of the answers shipped for this recipe (SHIPPED_ANSWERS)
+        options = replace(options, generation_dtype="float32")
+    return convert_drafter(drafter, target, rank, vocab=vocab, out=out, overwrite=overwrite, progress=progress,
+                           distill_steps=config.steps, data_options=options, distill_config=config)

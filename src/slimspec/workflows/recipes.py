@@ -1,24 +1,21 @@
-"""The brief recipe: the distillation ``make demo`` runs, as options, as a command line and as one call."""
+"""The brief recipe: the distillation ``make demo`` runs, as options and as a command line
+(:func:`slimspec.workflows.convert.convert_briefly` runs it)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-from slimspec.convert.pipeline import ConvertResult
 from slimspec.distill.pipeline import DataOptions
 from slimspec.distill.train import DistillConfig
 from slimspec.embedded import EMBEDDED_DRAFTER, EMBEDDED_TARGET
-from slimspec.workflows.convert import convert_drafter
 
 BRIEF_RECIPES = {"drafter": (None, 200, 5e-3), "target": (64, 40, 2e-3)}
 """Calibration prompts (None: all 300 shipped), steps and peak lr of the brief distillation per teacher, measured
-on the reference drafter at d/8, draft vocab (BENCHMARKS.md "Distillation data and steps at d/8"): rho_proxy
+on the reference drafter at d/8, draft vocab (docs/research.md): rho_proxy
 0.926 with the drafter teacher on the 300 prompts; the target teacher reaches 0.835 on 64 and 0.866 on 300."""
 UNDISTILLED_EXAMPLE = ("the embedded drafter at d/8 keeps rho_tau 0.61 from the SVD start, 0.75 from the whitened "
                        "one, 0.90 after the demo's 200 steps")
-"""Measured (BENCHMARKS.md "Without distillation"): why `convert` and `batch` warn when they do not distil."""
+"""Measured (docs/research.md): why `convert` and `batch` warn when they do not distil."""
 BRIEF_TEACHER = "drafter"
 BRIEF_VOCAB = "draft"
 BRIEF_DISTILL_STEPS = BRIEF_RECIPES[BRIEF_TEACHER][1]
@@ -61,14 +58,3 @@ def brief_command(drafter: str, rank: str = "d/8", steps: int | None = None, tea
     return " ".join(args)
 
 
-def convert_briefly(drafter: str | Path, target: str | Path | None, rank: str | int, out: str | Path, *,
-                    teacher: str = BRIEF_TEACHER, vocab: str = BRIEF_VOCAB, steps: int | None = None,
-                    overwrite: bool = False, progress: bool = False) -> ConvertResult:
-    """``convert_drafter`` at ``rank`` with :func:`brief_distillation`'s recipe: what ``make demo`` runs, and what the
-    vLLM tests, the decode benchmark and ``research/rank_sweep.py`` measure. Returns the ``ConvertResult``."""
-    options, config = brief_distillation(steps, teacher)
-    if str(target) == EMBEDDED_TARGET or target is None and str(drafter) == EMBEDDED_DRAFTER:
-        # float32 answers on every CPU: the key of the answers shipped for this recipe (SHIPPED_ANSWERS)
-        options = replace(options, generation_dtype="float32")
-    return convert_drafter(drafter, target, rank, vocab=vocab, out=out, overwrite=overwrite, progress=progress,
-                           distill_steps=config.steps, data_options=options, distill_config=config)
