@@ -380,7 +380,7 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
     options = data_options_from(kw)
     resolve_device(options.device)  # an unusable --device fails now, not after the teacher data
     if backbone_lr is not None and backbone_lr <= 0:
-        raise SlimSpecError(f"--backbone-lr must be > 0, got {backbone_lr:g}")
+        raise OptionError(f"{{backbone_lr}} must be > 0, got {backbone_lr:g}", "backbone_lr")
     cfg = replace(distill_config_from(kw, steps), train_backbone=train_backbone, backbone_lr=backbone_lr,
                   save_every=save_every)
     _init_distributed()

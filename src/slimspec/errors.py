@@ -37,4 +37,7 @@ class OptionError(SlimSpecError):
 
     def render(self, spell) -> str:
         """The message with each option written as ``spell(name)`` (e.g. ``--distill-steps`` for the CLI)."""
-        return self.template.format_map({name: spell(name) for name in self.options})
+        message = self.template
+        for name in self.options:
+            message = message.replace("{" + name + "}", spell(name))
+        return message

@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from slimspec.errors import SlimSpecError, first_line
+from slimspec.errors import OptionError, SlimSpecError, first_line
 
 TEXT_FIELDS = ("turns", "messages", "conversations", "prompt", "instruction", "question", "text")
 PROMPT_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -105,20 +105,21 @@ def load_prompts(spec: str | list[str] | None, *, limit: int | None = None, spli
         elif _looks_like_dataset_id(item):
             rows += [(f"{item}:{i}", r) for i, r in enumerate(_load_dataset(item, split))]
         elif any(c in item for c in "*?["):
-            raise SlimSpecError(f"--data {item}: the pattern matches no file")
+            raise OptionError(f"{{data}} {item}: the pattern matches no file", "data")
         else:
-            raise SlimSpecError(f"--data {item}: no such file" + ("" if Path(item).suffix in PROMPT_SUFFIXES
-                                                                     else ", and not a datasets id (owner/name)"))
+            raise OptionError(f"{{data}} {item}: no such file" + ("" if Path(item).suffix in PROMPT_SUFFIXES
+                                                                 else ", and not a datasets id (owner/name)"), "data")
     prompts = []
     for rid, row in rows:
         if not isinstance(row, dict):
-            raise SlimSpecError(f"--data {rid}: a prompt row must be an object with a field among "
-                                f"{', '.join(TEXT_FIELDS)}, got {type(row).__name__}")
+            raise OptionError(f"{{data}} {rid}: a prompt row must be an object with a field among "
+                              f"{', '.join(TEXT_FIELDS)}, got {type(row).__name__}", "data")
         text = _first_user_turn(row)
         if text:
             prompts.append(Prompt(id=str(row.get("id", rid)), text=text, reference=_reference(row)))
     if not prompts:
-        raise SlimSpecError(f"--data {spec}: no prompts found (expected a field among {', '.join(TEXT_FIELDS)})")
+        raise OptionError(f"{{data}} {spec}: no prompts found (expected a field among {', '.join(TEXT_FIELDS)})",
+                          "data")
     if limit and limit < len(prompts):
         keep = sorted(random.Random(seed).sample(range(len(prompts)), limit))
         prompts = [prompts[i] for i in keep]
@@ -144,16 +145,17 @@ def eval_prompts(dataset: str, num_prompts: int | None) -> list[str]:
     else:
         path = Path(dataset)
         if not path.is_file():
-            raise SlimSpecError(f"--dataset {dataset}: not one of {', '.join(DATASETS)} and no such file")
+            raise OptionError(f"{{dataset}} {dataset}: not one of {', '.join(DATASETS)} and no such file", "dataset")
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise SlimSpecError(f"--dataset {dataset}: cannot read it ({exc})") from None
+            raise OptionError(f"{{dataset}} {dataset}: cannot read it ({exc})", "dataset") from None
     try:
         rows = [json.loads(line) for line in text.split("\n") if line.strip()]
         prompts = [r["turns"] if isinstance(r["turns"], str) else r["turns"][0] for r in rows]  # a string: one turn
     except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
-        raise SlimSpecError(f"--dataset {dataset}: expected jsonl rows with a 'turns' list ({exc})") from None
+        raise OptionError(f"{{dataset}} {dataset}: expected jsonl rows with a 'turns' list ({exc})",
+                          "dataset") from None
     return prompts[:num_prompts] if num_prompts else prompts
 
 

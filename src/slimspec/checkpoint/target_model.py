@@ -15,7 +15,7 @@ from slimspec import embedded
 from slimspec.checkpoint.drafter import load_drafter
 from slimspec.checkpoint.files import read_json, read_tensors, weight_map
 from slimspec.checkpoint.target import EMBED_NAMES, load_target_head, text_config
-from slimspec.errors import SlimSpecError
+from slimspec.errors import OptionError, SlimSpecError
 from slimspec.hub import resolve_model
 
 
@@ -142,5 +142,5 @@ def target_of(drafter: str, ckpt=None) -> str:
     if target is None and embedded.is_embedded(drafter):
         target = embedded.EMBEDDED_TARGET
     if target is None:
-        raise SlimSpecError("--target is needed (the drafter names no target)")
+        raise OptionError("{target} is needed (the drafter names no target)", "target")
     return target

@@ -15,7 +15,7 @@ from slimspec import __version__
 from slimspec.checkpoint.drafter import LOWRANK_DOWN, DrafterCheckpoint, load_drafter
 from slimspec.checkpoint.files import sha256_file, weight_map
 from slimspec.checkpoint.target import TargetHead
-from slimspec.errors import CheckpointError, SlimSpecError
+from slimspec.errors import CheckpointError, OptionError, SlimSpecError
 
 VocabMode = Literal["full", "draft"]
 NOT_CARRIED = ("lm_head.weight", LOWRANK_DOWN, "d2t", "t2d")
@@ -67,17 +67,18 @@ def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: Voc
     cfg = ckpt.config
     if vocab == "draft":
         if head is None and target is None:
-            raise SlimSpecError("the drafter has no LM head of its own: --target is needed to factorise the target's")
+            raise OptionError("the drafter has no LM head of its own: {target} is needed to factorise the target's",
+                              "target")
         ids = ckpt.draft_to_target_ids()
         rows = head.float().clone() if head is not None else target.weight[ids].float().clone()
         return ckpt.rows_in_target_order(rows), head.shape[0] if head is not None else 0
     if target is None:
-        raise SlimSpecError("--vocab full needs --target (rows outside the draft vocab come from the target's head)")
+        raise OptionError("{vocab} full needs {target} (rows outside the draft vocab come from the target's head)",
+                          "vocab", "target")
     if cfg.hidden_size != target.hidden_size:
-        raise SlimSpecError(
-            f"--vocab full needs drafter hidden ({cfg.hidden_size}) == target hidden ({target.hidden_size}); "
-            "use --vocab draft to keep the draft vocabulary"
-        )
+        raise OptionError(
+            f"{{vocab}} full needs drafter hidden ({cfg.hidden_size}) == target hidden ({target.hidden_size}); "
+            "use {vocab} draft to keep the draft vocabulary", "vocab")
     weight = target.weight.float().clone()
     if head is None:
         return weight, 0
@@ -87,7 +88,7 @@ def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: Voc
     elif stitch == "scaled":
         weight *= float(head.float().norm(dim=1).mean() / weight[ids].norm(dim=1).mean().clamp_min(1e-12))
     elif stitch != "target":
-        raise SlimSpecError(f"--stitch must be target, zero or scaled; got {stitch!r}")
+        raise OptionError(f"{{stitch}} must be target, zero or scaled; got {stitch!r}", "stitch")
     weight[ids] = head.float()
     return weight, head.shape[0]
 
@@ -112,11 +113,12 @@ def check_not_the_source(out: Path, *inputs: Path | str | None) -> None:
             continue
         path = Path(model).resolve()
         if where == path:
-            raise SlimSpecError(f"--out {out} is the drafter's own folder: write the conversion elsewhere"
-                                if model is inputs[0] else f"--out {out} is the folder of {model}: write elsewhere")
+            raise OptionError(f"{{out}} {out} is the drafter's own folder: write the conversion elsewhere"
+                              if model is inputs[0] else f"{{out}} {out} is the folder of {model}: write elsewhere",
+                              "out")
         if where in path.parents:
-            raise SlimSpecError(f"--out {out} contains {model}: replacing it would delete that model; "
-                                "write the conversion elsewhere")
+            raise OptionError(f"{{out}} {out} contains {model}: replacing it would delete that model; "
+                              "write the conversion elsewhere", "out")
 
 
 def portable(model: str) -> str:

@@ -30,7 +30,7 @@ from slimspec.distill.train import (
     train_drafter,
     training_device,
 )
-from slimspec.errors import SlimSpecError
+from slimspec.errors import OptionError, SlimSpecError
 from slimspec.hardware import default_generation_dtype
 from slimspec.hub import resolve_model
 from slimspec.model import Eagle3Drafter, LowRankHead, drafter_model
@@ -79,8 +79,9 @@ def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptio
                             else "override", target.num_layers, convention)
     own = aux_layers_for(ckpt.config.aux_layer_ids, ckpt.layout, target.num_layers, ckpt.aux_convention)
     if tuple(layers) != tuple(own):
-        raise SlimSpecError(f"--aux-layers/--aux-convention give target states {tuple(layers)}, but this drafter reads "
-                            f"{tuple(own)} (its config); fix the drafter's eagle_aux_hidden_state_layer_ids instead")
+        raise OptionError(f"{{aux_layers}}/{{aux_convention}} give target states {tuple(layers)}, but this drafter "
+                          f"reads {tuple(own)} (its config); fix the drafter's eagle_aux_hidden_state_layer_ids "
+                          "instead", "aux_layers", "aux_convention")
     settings = options.teacher_settings(layers)
     prompts = load_prompts(options.data, limit=options.num_prompts, training=training)
     return build_teacher_data(target.path, prompts, settings, progress=progress,
@@ -165,8 +166,8 @@ def distill(
     if cfg.teacher == "drafter":  # the teacher is the drafter the conversion started from (checked before any work)
         origin = ckpt.recorded("source_drafter")
         if not ckpt.is_lowrank or not origin:
-            raise SlimSpecError("--teacher drafter distils a SlimSpec conversion against the drafter it came from; "
-                                f"{checkpoint} names no source drafter (use --teacher target)")
+            raise OptionError("{teacher} drafter distils a SlimSpec conversion against the drafter it came from; "
+                              f"{checkpoint} names no source drafter (use {{teacher}} target)", "teacher")
         teacher_ckpt = load_drafter(resolve_model(str(origin), "drafter", ckpt.recorded("source_revision")))
     parts = load_target_parts(str(target), target_revision)
     rank, world = _world()
@@ -290,7 +291,7 @@ def init_and_distill(
                                    "per_step": [finite_or_none(v) for v in per_step],
                                    "step0_top1": finite_or_none(top1[0])}
     if init not in starts:
-        raise SlimSpecError(f"--init must be 'svd' or 'whitened', got {init!r}")
+        raise OptionError(f"{{init}} must be 'svd' or 'whitened', got {init!r}", "init")
     up, down = starts[init]
     drafter.lm_head = LowRankHead(up.clone(), down.clone()).to(device)
     report["init"] = init

@@ -35,7 +35,7 @@ from slimspec.distill.train import (
     train_drafter,
     training_device,
 )
-from slimspec.errors import SlimSpecError
+from slimspec.errors import OptionError
 from slimspec.model import Eagle3Drafter, FullHead, LowRankHead
 from slimspec.prompts import load_prompts
 
@@ -123,7 +123,7 @@ def train_from_scratch(
     """
     out = Path(out)
     if num_layers < 1:
-        raise SlimSpecError(f"--layers must be >= 1, got {num_layers}")
+        raise OptionError(f"{{layers}} must be >= 1, got {num_layers}", "layers")
     check_output_free(out, overwrite)
     checkpoints = out.parent / f"{out.name}.checkpoints"
     prepare_checkpoint_dir(checkpoints, resume, overwrite)
@@ -132,7 +132,7 @@ def train_from_scratch(
     cfg.train_backbone = True
     parts = load_target_parts(target)
     if not 0 < draft_vocab <= parts.head.shape[0]:
-        raise SlimSpecError(f"--draft-vocab must be in 1..{parts.head.shape[0]}, got {draft_vocab}")
+        raise OptionError(f"{{draft_vocab}} must be in 1..{parts.head.shape[0]}, got {draft_vocab}", "draft_vocab")
     rank_id, world = _world()
     if rank_id == 0:  # under torchrun, rank 0 builds the teacher cache and the others read it
         teacher, settings = scratch_teacher(parts, options, progress)

@@ -30,7 +30,7 @@ from slimspec.convert.factorize import balance_factors
 from slimspec.distill.loss import full_vocab_kl, top1_agreement
 from slimspec.distill.teacher import TeacherData
 from slimspec.distill.teacher_table import table_budget, table_dtype, teacher_table
-from slimspec.errors import SlimSpecError
+from slimspec.errors import OptionError, SlimSpecError
 from slimspec.hardware import resolve_device
 from slimspec.model import Eagle3Drafter, LowRankHead
 
@@ -63,11 +63,12 @@ class DistillConfig:
     def __post_init__(self) -> None:
         # checked here, where every caller builds its config, not after the teacher data is built
         if not self.lr > 0:
-            raise SlimSpecError(f"--lr must be > 0, got {self.lr:g}")
+            raise OptionError(f"{{lr}} must be > 0, got {self.lr:g}", "lr")
         if not self.teacher_temperature > 0:
-            raise SlimSpecError(f"--teacher-temperature must be > 0, got {self.teacher_temperature:g}")
+            raise OptionError(f"{{teacher_temperature}} must be > 0, got {self.teacher_temperature:g}",
+                              "teacher_temperature")
         if self.warmup_steps < 0:
-            raise SlimSpecError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+            raise OptionError(f"{{warmup_steps}} must be >= 0, got {self.warmup_steps}", "warmup_steps")
 
 
 @dataclass
@@ -495,8 +496,8 @@ def prepare_checkpoint_dir(folder: Path, resume: bool, overwrite: bool) -> None:
     if resume or last is None:
         return
     if not overwrite:
-        raise SlimSpecError(f"{folder} holds checkpoints of an earlier run (latest {last.name}): --resume continues "
-                            "it, --overwrite starts over")
+        raise OptionError(f"{folder} holds checkpoints of an earlier run (latest {last.name}): {{resume}} continues "
+                          "it, {overwrite} starts over", "resume", "overwrite")
     if _world()[0] == 0:
         for path in folder.glob("step-*.pt"):
             path.unlink(missing_ok=True)
@@ -684,8 +685,8 @@ def _resume(state: _Training) -> int:
     folder, cfg = state.checkpoint_dir, state.cfg
     if folder is None or not (path := latest_checkpoint(folder)):
         # starting over instead would silently take whatever options this call has, and replace the output
-        raise SlimSpecError(f"--resume: no checkpoint in {folder} to resume from (a run saves them with "
-                            "--save-every N); drop --resume to start over")
+        raise OptionError(f"{{resume}}: no checkpoint in {folder} to resume from (a run saves them with "
+                          "{save_every} N); drop {resume} to start over", "resume", "save_every")
     saved_state = torch.load(path, map_location="cpu", weights_only=True)
     # a config field the checkpoint lacks counts as its default (the behaviour it was written with)
     saved = {**asdict(DistillConfig()), **saved_state["config"]}
@@ -695,8 +696,8 @@ def _resume(state: _Training) -> int:
         raise SlimSpecError(f"{path}: saved with other settings ({shown}); resume needs the same options")
     saved_run = saved_state.get("run") or {}  # a field the checkpoint does not record is not compared
     if any(saved_run.get(key, value) != value for key, value in state.run.items()):
-        raise SlimSpecError(f"{path}: saved by a run on other teacher data or another source drafter; resume "
-                            "needs the same --data, prompts and checkpoint (or another --out)")
+        raise OptionError(f"{path}: saved by a run on other teacher data or another source drafter; resume "
+                          "needs the same {data}, prompts and checkpoint (or another {out})", "data", "out")
     with torch.no_grad():
         for p, tensor in zip(state.params, saved_state["params"], strict=True):
             p.copy_(tensor)

@@ -19,7 +19,7 @@ from slimspec.checkpoint.target_model import (
     stop_token_ids,
     target_of,
 )
-from slimspec.errors import SlimSpecError
+from slimspec.errors import OptionError, SlimSpecError
 from slimspec.evaluate.spec_decode import NO_ROUND, DecodeStats, SpeculativeDecoder
 from slimspec.evaluate.vllm_engine import check_command, evaluate_vllm, vllm_python
 from slimspec.hardware import resolve_device
@@ -73,7 +73,7 @@ def evaluate(
                               max_new_tokens=max_new_tokens, draft_tokens=draft_tokens, temperature=temperature,
                               seed=seed, baseline=baseline, progress=progress, device=device)
     if engine != "reference":
-        raise SlimSpecError(f"--engine must be 'reference' or 'vllm', got {engine!r}")
+        raise OptionError(f"{{engine}} must be 'reference' or 'vllm', got {engine!r}", "engine")
 
     where = resolve_device(device)  # an unusable device is an error before any model loads
     prompts = eval_prompts(dataset, num_prompts)
