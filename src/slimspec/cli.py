@@ -16,22 +16,21 @@ import torch.distributed as dist
 
 from slimspec import __version__, choices
 from slimspec.checkpoint import load_drafter
-from slimspec.checkpoint.files import read_json
-from slimspec.checkpoint.target_model import load_target_model, target_of
+from slimspec.checkpoint.target_model import target_of
 from slimspec.checkpoint.writer import nearest_existing_parent
 from slimspec.convert.pipeline import ConvertResult, model_name
 from slimspec.convert.rank import RankError, parse_rank
 from slimspec.distill.pipeline import distill as run_distill
 from slimspec.distill.scratch import train_from_scratch
 from slimspec.errors import OptionError, SlimSpecError, SlimSpecWarning
-from slimspec.evaluate.acceptance import evaluate, load_for_eval
-from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
+from slimspec.evaluate.acceptance import evaluate
 from slimspec.evaluate.plane import plane_report
 from slimspec.hardware import resolve_device
 from slimspec.hub import HUB_ID, resolve_model
 from slimspec.inspection import inspect_drafter
 from slimspec.workflows import convert as conversion
 from slimspec.workflows.batch import run_batch
+from slimspec.workflows.bench import HeadShape, bench_head, checkpoint_head, kappa_and_speedup
 from slimspec.workflows.job import conversion_job, data_options_from, distill_config_from
 from slimspec.workflows.plane import build_plane, convert_rank_auto
 from slimspec.workflows.publish import push as run_push
@@ -616,44 +615,27 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
                   source_vocab: int | None, batches: tuple[int, ...], dtypes: tuple[str, ...], with_kappa: bool,
                   target: str | None, rho_tau: float | None, device: str, as_json: bool) -> None:
     """Head latency of the low-rank head vs the full one (nu), the FLOP floor, kappa and predicted rho_TPS."""
-    where = resolve_device(device)
-
     if checkpoint and any(x is not None for x in (vocab, hidden, rank)):
         raise click.UsageError("--vocab, --hidden and --rank describe a head without CHECKPOINT (it has its own)")
     if not with_kappa and (target is not None or rho_tau is not None):
         raise click.UsageError("--target and --rho-tau go with --kappa (the head timing alone reads neither)")
     if rank is not None and hidden is not None and rank >= hidden:
         raise click.BadParameter(f"{rank} is not below --hidden {hidden} (0 < r < d)", param_hint="--rank")
+    if with_kappa and not checkpoint:
+        raise click.UsageError("--kappa needs a CHECKPOINT")
     if checkpoint:
-        folder = resolve_model(checkpoint, "drafter")
-        ckpt = load_drafter(folder)
-        if not ckpt.is_lowrank:
-            raise click.UsageError(f"{checkpoint} is not a SlimSpec checkpoint")
-        up, down = ckpt.tensors["lm_head.weight"], ckpt.tensors["lm_head_down.weight"]
-        vocab, rank, hidden = up.shape[0], down.shape[0], down.shape[1]
-        report_path = folder / "slimspec.json"
-        saved = read_json(report_path) if report_path.exists() else {}
-        source_vocab = source_vocab or saved.get("head_rows_source") or (saved.get("head_params_source", 0) // hidden
-                                                                        or None)
-        rho_tau = rho_tau or saved.get("rho_tau")
+        head = checkpoint_head(checkpoint, source_vocab, rho_tau)
     elif vocab is None or hidden is None or rank is None:
         raise click.UsageError("give a CHECKPOINT or --vocab, --hidden and --rank")
-    names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    rows = [head_latency(vocab, hidden, rank, batch=b, dtype=names[d], source_vocab=source_vocab, device=where)
-            for d in (dtypes or ("fp32",)) for b in (batches or (1, 64))]
-    result = {"head": rows}
-    if with_kappa:
-        if not checkpoint:
-            raise click.UsageError("--kappa needs a CHECKPOINT")
-
-        dtype = names[(dtypes or ("fp32",))[0]]  # the first --dtype: what the cycle is served in
-        drafter, _, parts, _ = load_for_eval(checkpoint, target)
-        target_model, _ = load_target_model(parts.path, dtype=dtype, device=where)
-        result["kappa"] = measure = measure_kappa(target_model, drafter.to(device=where, dtype=dtype),
-                                                  full_head_rows=source_vocab or vocab)
-        nu1 = next(r["nu"] for r in rows if r["batch"] == min(r2["batch"] for r2 in rows))
-        result["rho_tau"] = rho_tau if rho_tau is not None else 1.0
-        result["predicted_rho_tps"] = predicted_speedup(result["rho_tau"], nu1, measure["kappa"])
+    else:
+        head = HeadShape(vocab, hidden, rank, source_vocab)
+    dtypes = dtypes or ("fp32",)
+    rows = bench_head(head, batches=batches or (1, 64), dtypes=dtypes, device=device)
+    result: dict = {"head": rows}
+    if with_kappa:  # the first --dtype: what the cycle is served in
+        result.update(kappa_and_speedup(checkpoint, target, head, rows, dtype=dtypes[0], device=device))
+    vocab, hidden, rank, source_vocab = head.vocab, head.hidden, head.rank, head.source_vocab
+    where = resolve_device(device)
     if as_json:
         click.echo(json.dumps(result))
         return
@@ -670,7 +652,7 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
                    " + target verify "
                    f"{k['target_verify_s'] * 1e3:.1f} ms)")
         click.echo(f"predicted rho_TPS = rho_tau (1 + kappa) / (1 + nu kappa) = {result['predicted_rho_tps']:.3f} "
-                   f"(rho_tau {result['rho_tau']:.3f}{'' if rho_tau is not None else ', assumed'})")
+                   f"(rho_tau {result['rho_tau']:.3f}{'' if head.rho_tau is not None else ', assumed'})")
 
 
 @main.command(name="eval")
