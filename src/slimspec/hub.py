@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from slimspec import embedded
+from slimspec.checkpoint.known import close_matches
 from slimspec.checkpoint.target import head_tensor_candidates, text_config
 from slimspec.errors import CheckpointError, first_line
 
@@ -32,7 +33,19 @@ def _snapshot(repo_id: str, patterns: list[str], revision: str | None) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, revision=revision))
     except Exception as exc:  # network, auth, missing repo: all one line for the user
         first = first_line(exc)
-        raise CheckpointError(f"cannot download {repo_id!r} from the Hub: {first}") from None
+        raise CheckpointError(f"cannot download {repo_id!r} from the Hub: {first}{_did_you_mean(repo_id, exc)}"
+                              ) from None
+
+
+def _did_you_mean(repo_id: str, exc: Exception) -> str:
+    """``; did you mean <id>?`` when the Hub has no ``repo_id`` and the table of published drafters
+    (``checkpoint.known``) holds a close one (a model card's misspelling); else empty. Gated repos exist: no hint."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if not isinstance(exc, RepositoryNotFoundError) or isinstance(exc, GatedRepoError):
+        return ""
+    matches = close_matches(repo_id)
+    return f"; did you mean {matches[0]}?" if matches else ""
 
 
 def target_weight_patterns(folder: Path) -> list[str]:

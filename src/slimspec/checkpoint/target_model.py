@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,8 +15,9 @@ import torch
 from slimspec import embedded
 from slimspec.checkpoint.drafter import load_drafter
 from slimspec.checkpoint.files import read_json, read_tensors, weight_map
+from slimspec.checkpoint.known import known_target
 from slimspec.checkpoint.target import EMBED_NAMES, load_target_head, text_config
-from slimspec.errors import OptionError, SlimSpecError
+from slimspec.errors import OptionError, SlimSpecError, SlimSpecWarning
 from slimspec.hub import resolve_model
 
 
@@ -134,7 +136,8 @@ def chat_ids(tokenizer, prompt: str, answer: str | None = None) -> tuple[list[in
 
 def target_of(drafter: str, ckpt=None) -> str:
     """The target a drafter names (our slimspec.json metadata or its config), or the embedded target for
-    embedded drafters; SlimSpecError if none. ``ckpt``: the drafter, when already loaded."""
+    embedded drafters, else the one the table of published drafters lists for its Hub id (``checkpoint.known``,
+    with a warning); SlimSpecError if none. ``ckpt``: the drafter, when already loaded."""
     if ckpt is None:
         ckpt = load_drafter(resolve_model(drafter, "drafter"))
 
@@ -142,5 +145,11 @@ def target_of(drafter: str, ckpt=None) -> str:
     if target is None and embedded.is_embedded(drafter):
         target = embedded.EMBEDDED_TARGET
     if target is None:
-        raise OptionError("{target} is needed (the drafter names no target)", "target")
+        target = known_target(drafter)
+        if target is not None:
+            warnings.warn(f"{drafter} names no target: using {target} from SlimSpec's table of published "
+                          "drafters (--target overrides)", SlimSpecWarning, stacklevel=2)
+    if target is None:
+        raise OptionError("{target} is needed: the drafter names no target and is not a published drafter "
+                          "SlimSpec knows", "target")
     return target

@@ -14,6 +14,7 @@ import torch
 
 from slimspec import embedded
 from slimspec.checkpoint.drafter import LOWRANK_DOWN, DrafterCheckpoint, load_drafter
+from slimspec.checkpoint.known import known_target
 from slimspec.checkpoint.target import TargetHead, load_target_head
 from slimspec.checkpoint.target_model import load_target_parts
 from slimspec.checkpoint.writer import (
@@ -85,7 +86,8 @@ def convert_drafter(
     ``progress``, ``verify_samples``. ``distill_steps`` > 0 then distils the pair against the target under
     full-vocabulary KL (``data`` / ``data_options`` / ``distill_config`` as for ``slimspec distill``). Without
     ``target``, a conversion that needs one takes the target the drafter names (embedded drafters: the embedded
-    target). Returns the output folder, the resolved rank and the report also written to ``slimspec.json``.
+    target), else the one SlimSpec's table of published drafters lists for its Hub id (``checkpoint.known``).
+    Returns the output folder, the resolved rank and the report also written to ``slimspec.json``.
     """
     data_options = data_options or DataOptions()
     if data is not None:
@@ -141,7 +143,8 @@ def run_conversion(job: ConvertJob) -> ConvertResult:
 
 
 def read_inputs(job: ConvertJob, stages: Stages) -> ConversionInputs:
-    """Resolve and read the drafter, then the target its head needs (the given one, else the one it names)."""
+    """Resolve and read the drafter, then the target its head needs (the given one, else the one it names, else the
+    one the table of published drafters lists for its Hub id)."""
     with stages.stage("load_drafter", f"reading drafter {job.drafter}"):
         drafter_path = resolve_model(job.drafter, "drafter", job.revision)
         ckpt = load_drafter(drafter_path)
@@ -157,6 +160,9 @@ def read_inputs(job: ConvertJob, stages: Stages) -> ConversionInputs:
         target = ckpt.named_target
         if target is not None:
             stages.say(f"target {target} (named by the drafter; --target overrides)")
+        elif (target := known_target(job.drafter)) is not None:
+            stages.say(f"target {target} (the drafter names none: from SlimSpec's table of published drafters; "
+                       "--target overrides)")
     target_revision = job.target_revision
     if target_revision is None and target is not None:  # a SlimSpec source's pinned target revision stays pinned
         target_revision = ckpt.target_revision_for(str(target))
@@ -243,7 +249,7 @@ def _write(job: ConvertJob, inputs: ConversionInputs, out: Path, tensors: dict[s
             save_tensors(tmp / "model.safetensors", tensors)
             write_json(tmp / "config.json", config)
             (tmp / "README.md").write_text(model_card(
-                drafter_id=job.drafter, target_id=inputs.target or ckpt.named_target or "TARGET", rank=r,
+                drafter_id=job.drafter, target_id=_named_target(job, inputs) or "TARGET", rank=r,
                 hidden=weight.shape[1], report=report, out_name=out.name,
                 parallel=ckpt.config.parallel_token_id is not None))
         with stages.stage("verify", "reloading and checking logits"):
@@ -295,13 +301,21 @@ def conversion_report(job: ConvertJob, inputs: ConversionInputs, *, weight: torc
     }
 
 
+def _named_target(job: ConvertJob, inputs: ConversionInputs) -> str | None:
+    """The target the output names for later commands (eval, distill) when the conversion read none: the one the
+    source names, else the table's for a published drafter (the output is a local folder the table cannot match)."""
+    if inputs.target is not None:
+        return inputs.target
+    return inputs.ckpt.named_target or known_target(job.drafter)
+
+
 def conversion_config(job: ConvertJob, inputs: ConversionInputs, rank: int, head_vocab: int, out_dtype: torch.dtype
                       ) -> dict[str, Any]:
     """The output's config.json: the source's architecture with the pair's rank and SlimSpec's metadata."""
     ckpt = inputs.ckpt
     meta = {"version": versions()["slimspec"], "vocab_mode": job.vocab,
             "source_drafter": portable(job.drafter), "source_layout": ckpt.layout,
-            "aux_convention": ckpt.aux_convention, "target": recorded_target(inputs.target, ckpt)}
+            "aux_convention": ckpt.aux_convention, "target": recorded_target(_named_target(job, inputs), ckpt)}
     if job.revision:
         meta["source_revision"] = job.revision
     if inputs.target_revision:
