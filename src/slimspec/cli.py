@@ -29,11 +29,11 @@ from slimspec.hardware import resolve_device
 from slimspec.hub import HUB_ID, resolve_model
 from slimspec.inspection import inspect_drafter
 from slimspec.workflows import convert as conversion
+from slimspec.workflows import publish
 from slimspec.workflows.batch import run_batch
 from slimspec.workflows.bench import HeadShape, bench_head, checkpoint_head, kappa_and_speedup
 from slimspec.workflows.job import conversion_job, data_options_from, distill_config_from
 from slimspec.workflows.plane import build_plane, convert_rank_auto
-from slimspec.workflows.publish import push as run_push
 from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_command
 
 
@@ -263,7 +263,7 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
                       stacklevel=1)
     if push_to:
         try:
-            plan = run_push(result.out, push_to)
+            plan = publish.push(result.out, push_to)
         except SlimSpecError as exc:  # the conversion is done: say where it is and how to push it alone
             raise SlimSpecError(f"{exc} (the conversion is kept in {result.out}: `slimspec push {result.out} "
                                 f"{push_to}` pushes it)") from None
@@ -440,7 +440,7 @@ def push(folder: Path, repo_id: str, private: bool, revision: str | None, commit
 
     The token comes from HF_TOKEN or the saved `hf auth login`; it is never printed or written.
     """
-    plan = run_push(folder, repo_id, private=private, revision=revision, commit_message=commit_message,
+    plan = publish.push(folder, repo_id, private=private, revision=revision, commit_message=commit_message,
                     dry_run=dry_run)
     _print_push(plan, dry_run)
 

@@ -197,25 +197,25 @@ def test_device_is_a_job_option_outside_the_fingerprint(tmp_path, monkeypatch):
     assert job_fingerprint(job) == job_fingerprint({k: v for k, v in job.items() if k != "device"})
     seen = {}
 
-    def fake_convert(*args, data_options=None, **kwargs):
-        seen["device"] = data_options.device
+    def fake_convert(job):
+        seen["device"] = job.data_options.device
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr("slimspec.workflows.convert.convert_drafter", fake_convert)
+    monkeypatch.setattr("slimspec.workflows.convert.run_conversion", fake_convert)
     result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.json")])
     assert seen == {"device": "cpu"}, result.output
 
 
 def _captured_convert(monkeypatch):
-    """Replace ``convert`` by a capture of the options a batch job hands it (the job then fails, "stop here")."""
+    """Replace ``run_conversion`` by a capture of the options a batch job hands it (the job then fails, "stop here")."""
     seen = []
 
-    def capture(drafter, target, rank, **kw):
-        seen.append({"drafter": str(drafter), "target": target, "rank": str(rank), "vocab": kw["vocab"],
-                     "steps": kw["distill_steps"], "options": kw["data_options"], "config": kw["distill_config"]})
+    def capture(job):
+        seen.append({"drafter": job.drafter, "target": job.target, "rank": str(job.rank), "vocab": job.vocab,
+                     "steps": job.distill_steps, "options": job.data_options, "config": job.distill_config})
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr("slimspec.workflows.convert.convert_drafter", capture)
+    monkeypatch.setattr("slimspec.workflows.convert.run_conversion", capture)
     return seen
 
 
@@ -283,11 +283,12 @@ def test_distillation_keys_reach_the_loop_and_the_fingerprint(tmp_path, monkeypa
     ({"max_new_tokens": None}, "max_new_tokens is null; leave it out"),
     ({"lr": None, "distill_steps": 2}, "lr is null"),
     # what convert refuses, a job refuses before any job runs (an SVD start without steps reads no data)
-    ({"lr": 0.5, "teacher": "drafter"}, "lr, teacher would be ignored: the job has no distill_steps and an SVD"),
-    ({"init": "whitened", "lr": 0.5, "num_prompts": 3}, "lr would be ignored: the job has no distill_steps ("),
-    ({"vocab": "draft", "stitch": "zero"}, "stitch fills the rows vocab full adds"),
+    ({"lr": 0.5, "teacher": "drafter"},
+     "this conversion reads no data (SVD start, no distill_steps), so teacher, lr would be ignored"),
+    ({"init": "whitened", "lr": 0.5, "num_prompts": 3}, "lr only shape distillation steps: add distill_steps N"),
+    ({"vocab": "draft", "stitch": "zero"}, "stitch fills the rows a vocab full head adds"),
     ({"drafter": "embedded:smollm2-135m-eagle3", "revision": "v9"}, "revision pins a Hub drafter"),
-    ({"rank": "auto"}, "rank auto is `slimspec convert --rank auto` only"),
+    ({"rank": "auto"}, "rank auto measures several conversions: run it with `slimspec convert --rank auto`"),
     ({"rank": "d/0"}, "rank 'd/0': divisor must be positive"),
     ({"rank": "foo"}, "cannot parse rank 'foo'"),
     ({"push_to": "not a repo"}, "push_to 'not a repo' is not a Hub repo id"),
@@ -341,7 +342,7 @@ def test_interrupted_batch_says_what_is_kept(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("slimspec.workflows.batch.run_batch", interrupted)
+    monkeypatch.setattr("slimspec.cli.run_batch", interrupted)
     (tmp_path / "m.json").write_text("[]")
     result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.json")])
     assert result.exit_code == 2 and "finished jobs are kept" in result.stderr

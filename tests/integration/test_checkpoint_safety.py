@@ -97,7 +97,8 @@ def test_conversion_records_where_its_sources_are(tmp_path, monkeypatch):
     write_drafter(tmp_path / "d", "eagle", Spec())
     write_target(tmp_path / "t")
     real = hub.resolve_model
-    monkeypatch.setattr(hub, "resolve_model", lambda name, role, revision=None: real(name, role))
+    monkeypatch.setattr("slimspec.workflows.convert.resolve_model", lambda name, role, revision=None: real(name, role))
+    monkeypatch.setattr("slimspec.workflows.job._is_local", lambda name: False)  # the folders stand in for Hub repos
     monkeypatch.chdir(tmp_path)
     out = slimspec.convert_drafter("d", "t", 8, out="o", revision="r1", target_revision="t1", progress=False).out
     meta = json.loads((tmp_path / "o" / "config.json").read_text())["slimspec"]
@@ -111,8 +112,9 @@ def test_conversion_records_where_its_sources_are(tmp_path, monkeypatch):
     from slimspec.evaluate.acceptance import load_for_eval
 
     seen = []
-    monkeypatch.setattr(hub, "resolve_model", lambda name, role, revision=None: seen.append(revision) or
-                        real(name, role))
+    for module in ("slimspec.evaluate.acceptance", "slimspec.checkpoint.target_model"):
+        monkeypatch.setattr(f"{module}.resolve_model", lambda name, role, revision=None: seen.append(revision) or
+                            real(name, role))
     load_for_eval(str(out), str(tmp_path / "t"))
     assert "t1" in seen
 
@@ -291,7 +293,7 @@ def test_output_folder_never_contains_an_input(tmp_path):
             slimspec.convert_drafter(str(tmp_path / "models" / "d"), str(tmp_path / "t"), 8, out=out, overwrite=True,
                              progress=False)
     assert (tmp_path / "models" / "d" / "config.json").exists() and (tmp_path / "t" / "model.safetensors").exists()
-    with pytest.raises(SlimSpecError, match="--init must be"):
+    with pytest.raises(SlimSpecError, match="init must be"):
         slimspec.convert_drafter(str(tmp_path / "models" / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o",
                                  init="whitend",
                          progress=False)

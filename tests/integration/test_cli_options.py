@@ -111,7 +111,7 @@ def test_a_distilled_conversion_does_not_warn(tmp_path, monkeypatch):
     import slimspec.convert.pipeline as pipeline
     import slimspec.workflows.convert as conversion
 
-    monkeypatch.setattr(conversion, "convert_drafter", lambda *a, **kw: pipeline.ConvertResult(
+    monkeypatch.setattr(conversion, "run_conversion", lambda job: pipeline.ConvertResult(
         out=tmp_path / "o", rank=72, report={"distill": {"steps": 2}}))
     result = CliRunner().invoke(main, ["convert", "embedded:smollm2-135m-eagle3", "--distill-steps", "2", "--json"])
     assert result.exit_code == 0, result.output
@@ -143,7 +143,8 @@ def test_revisions_go_to_their_own_model(pair, tmp_path, monkeypatch):
         calls.append((str(name), role, revision))
         return real(name, role)
 
-    monkeypatch.setattr(hub, "resolve_model", recording)
+    monkeypatch.setattr("slimspec.workflows.convert.resolve_model", recording)
+    monkeypatch.setattr("slimspec.workflows.job._is_local", lambda name: False)  # the folders stand in for Hub repos
     convert_drafter(str(pair[0]), str(pair[1]), 8, out=tmp_path / "o", revision="r1", target_revision="main",
                     progress=False)
     assert calls == [(str(pair[0]), "drafter", "r1"), (str(pair[1]), "target", "main")]
@@ -182,12 +183,12 @@ def test_demo_command_line_is_the_demo_recipe(monkeypatch, tmp_path):
 
     seen = []
 
-    def capture(drafter, target, rank, **kw):
-        seen.append({"drafter": str(drafter), "target": target, "rank": str(rank), "vocab": kw["vocab"],
-                     "steps": kw["distill_steps"], "options": kw["data_options"], "config": kw["distill_config"]})
+    def capture(job):
+        seen.append({"drafter": job.drafter, "target": job.target, "rank": str(job.rank), "vocab": job.vocab,
+                     "steps": job.distill_steps, "options": job.data_options, "config": job.distill_config})
         return pipeline.ConvertResult(out=tmp_path, rank=72, report={})
 
-    monkeypatch.setattr(conversion, "convert_drafter", capture)
+    monkeypatch.setattr(conversion, "run_conversion", capture)
     convert_briefly(EMBEDDED_DRAFTER, EMBEDDED_TARGET, "d/8", tmp_path / "o")
     command = brief_command(EMBEDDED_DRAFTER)
     assert "--generation-dtype float32" in command
@@ -232,14 +233,14 @@ def test_data_options_a_conversion_reads_are_accepted(args, tmp_path, monkeypatc
 
     seen = []
 
-    def capture(drafter, target, rank, **kw):
-        seen.append(kw)
+    def capture(job):
+        seen.append(job)
         raise pipeline.SlimSpecError("stop here")
 
-    monkeypatch.setattr(conversion, "convert_drafter", capture)
+    monkeypatch.setattr(conversion, "run_conversion", capture)
     result = CliRunner().invoke(main, ["convert", "embedded:smollm2-135m-eagle3", "-o", str(tmp_path / "o"), *args])
     assert "stop here" in result.output and len(seen) == 1, result.output
-    assert seen[0]["data_options"].aux_layers in (None, [1, 2, 3])
+    assert seen[0].data_options.aux_layers in (None, [1, 2, 3])
 
 
 def test_bench_kappa_times_the_source_head(tiny_converted, tiny_target):
@@ -307,9 +308,9 @@ def test_a_failed_push_after_convert_says_where_the_conversion_is(tmp_path, monk
     import slimspec.workflows.publish
 
     def offline(folder, repo_id, **kwargs):
-        raise slimspec.publish.SlimSpecError(f"push to {repo_id} failed: no network")
+        raise slimspec.workflows.publish.SlimSpecError(f"push to {repo_id} failed: no network")
 
-    monkeypatch.setattr(slimspec.publish, "push", offline)
+    monkeypatch.setattr(slimspec.workflows.publish, "push", offline)
     write_drafter(tmp_path / "d", "eagle", Spec())
     out = tmp_path / "o"
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--rank", "8", "--vocab", "draft", "-o",

@@ -238,9 +238,7 @@ def test_gpu_eval_frees_its_models_before_returning(monkeypatch):
 
     freed = []
     monkeypatch.setattr(acceptance, "_decode_runs", decoding)
-    import slimspec.hardware as hardware
-
-    monkeypatch.setattr(hardware, "resolve_device", lambda d: torch.device("cuda"))
+    monkeypatch.setattr(acceptance, "resolve_device", lambda d: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(held["model"]() is None))
     gc.disable()  # the model must be gone by reference counting or by the eval's own collection, not by chance
     try:

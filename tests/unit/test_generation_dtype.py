@@ -74,11 +74,11 @@ def test_cli_and_batch_reach_the_teacher(tmp_path, monkeypatch):
 
     seen = []
 
-    def fake_convert(*args, data_options=None, **kwargs):
-        seen.append(data_options.generation_dtype)
+    def fake_convert(job):
+        seen.append(job.data_options.generation_dtype)
         raise SlimSpecError("stop here")
 
-    monkeypatch.setattr("slimspec.workflows.convert.convert_drafter", fake_convert)
+    monkeypatch.setattr("slimspec.workflows.convert.run_conversion", fake_convert)
     for flag, expected in (("float32", "float32"), ("auto", None)):
         result = CliRunner().invoke(main, ["convert", "some/drafter", "--generation-dtype", flag,
                                            "--distill-steps", "1", "-o", str(tmp_path / "out")])
