@@ -57,7 +57,6 @@ def build_plane(
     source = resolve_model(drafter, "drafter")
     ckpt = load_drafter(source)
     d, vd = ckpt.config.hidden_size, ckpt.config.draft_vocab_size
-    parts = load_target_parts(target)
     # the demo's recipe (drafter teacher, its lr and batch) at the plane's own prompts and steps
     options, recipe = brief_distillation(distill_steps)
     options = replace(options, num_prompts=calibration_prompts, device=device)  # teacher data and distillation
@@ -76,31 +75,34 @@ def build_plane(
             res = convert_drafter(str(source), target, rank, vocab=vocab, overwrite=True, distill_steps=distill_steps,
                                   out=out_dir / f"slimspec-{vocab}-{rank.replace('/', '_')}", data_options=options,
                                   distill_config=replace(recipe), progress=progress)
-            r = res.rank
-            nu = head_latency(res.report["head_vocab"], d, r, source_vocab=vd, device=where)["nu"]
+            nu = head_latency(res.report["head_vocab"], d, res.rank, source_vocab=vd, device=where)["nu"]
             tau = tau_of(str(res.out))
             label = f"SlimSpec r={rank}" + (" (draft vocab)" if vocab == "draft" and len(vocabs) > 1 else "")
             points.append(PlanePoint(label, "slimspec", nu, tau, tau / base_tau, res.report["head_params"],
                                      str(res.out)))
     sizes = [size for size in trim_sizes if size < vd]
-    if sizes:  # token counts: the target's generations (VocabTrim) and the shipped prompts (FR-Spec)
-        from transformers import AutoTokenizer
-
-        teacher, _ = scratch_teacher(parts, options, progress)
-        vocab = ckpt.config.vocab_size
-        generations = token_counts(teacher.response_ids(), vocab)
-        tokenizer = AutoTokenizer.from_pretrained(parts.path)
-        corpus = token_counts(torch.tensor([t for p in load_prompts(None) for t in tokenizer(p.text)["input_ids"]]),
-                              vocab)
-        for kind, counts in (("vocabtrim", generations), ("frspec", corpus)):
-            for size in sizes:
-                folder = write_trimmed(ckpt, trimmed_ids(ckpt, counts, size), out_dir / f"{kind}-{size}")
-                nu = full_head_seconds(size, d, device=where) / full_head_seconds(vd, d, device=where)
-                tau = tau_of(str(folder))
-                label = "VocabTrim" if kind == "vocabtrim" else "FR-Spec"
-                points.append(PlanePoint(f"{label} {size}", kind, nu, tau, tau / base_tau, size * d, str(folder)))
+    if sizes:
+        counts = _token_counts(ckpt, load_target_parts(target), options, progress)
+        for kind, size in ((kind, size) for kind in counts for size in sizes):
+            folder = write_trimmed(ckpt, trimmed_ids(ckpt, counts[kind], size), out_dir / f"{kind}-{size}")
+            nu = full_head_seconds(size, d, device=where) / full_head_seconds(vd, d, device=where)
+            tau = tau_of(str(folder))
+            label = "VocabTrim" if kind == "vocabtrim" else "FR-Spec"
+            points.append(PlanePoint(f"{label} {size}", kind, nu, tau, tau / base_tau, size * d, str(folder)))
     (out_dir / "plane.json").write_text(json.dumps([asdict(p) for p in points], indent=2))
     return points
+
+
+def _token_counts(ckpt, parts, options, progress: bool) -> dict[str, torch.Tensor]:
+    """What the trimming baselines keep the most frequent tokens of: the target's own generations on the
+    calibration prompts (VocabTrim) and the calibration prompts' tokens (FR-Spec)."""
+    from transformers import AutoTokenizer
+
+    teacher, _ = scratch_teacher(parts, options, progress)
+    vocab = ckpt.config.vocab_size
+    tokenizer = AutoTokenizer.from_pretrained(parts.path)
+    corpus = torch.tensor([t for p in load_prompts(None) for t in tokenizer(p.text)["input_ids"]])
+    return {"vocabtrim": token_counts(teacher.response_ids(), vocab), "frspec": token_counts(corpus, vocab)}
 
 
 def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float,
