@@ -1,4 +1,7 @@
+import fnmatch
 import os
+import shutil
+from types import SimpleNamespace
 
 # Triton kernels run in Triton's interpreter on these CPU-only machines. Set before anything imports triton
 # (speculators' flex-attention import does): triton reads the flag once, and kernels decorated without it
@@ -83,3 +86,36 @@ def tiny_converted(tiny_target, tmp_path):
     write_drafter(tmp_path / "drafter", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32))
     return slimspec.convert_drafter(str(tmp_path / "drafter"), str(tiny_target), 8, out=tmp_path / "converted",
                             progress=False).out
+
+
+def hub_error(kind: str, message: str) -> Exception:
+    """One of huggingface_hub's HTTP errors, as snapshot_download raises it (they need the response)."""
+    import huggingface_hub
+
+    response = SimpleNamespace(headers={}, request=None, status_code=404)
+    return getattr(huggingface_hub.errors, kind)(message, response=response)
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """Repos under tmp/hub/<owner>/<name>; snapshot_download copies the files matching allow_patterns, records
+    (repo id, patterns, revision), and raises the Hub's not-found error for a repo that is not there."""
+    import huggingface_hub
+
+    hub, cache = tmp_path / "hub", tmp_path / "cache"
+    calls = []
+
+    def snapshot_download(repo_id, allow_patterns=None, revision=None, **kwargs):
+        calls.append((repo_id, list(allow_patterns or []), revision))
+        src = hub / repo_id
+        if not src.exists():
+            raise hub_error("RepositoryNotFoundError", f"404 Client Error: {repo_id} not found")
+        dst = cache / repo_id.replace("/", "--")
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if allow_patterns is None or any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, dst / f.name)
+        return str(dst)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return hub, calls

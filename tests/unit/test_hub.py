@@ -1,8 +1,6 @@
 """Hub downloads fetch only what conversion needs (checked with a fake Hub on local folders)."""
 
-import fnmatch
 import json
-import shutil
 
 import pytest
 import torch
@@ -11,30 +9,6 @@ import slimspec
 from slimspec.errors import CheckpointError
 from slimspec.hub import resolve_model
 from tests.layouts import Spec, write_drafter, write_target
-
-
-@pytest.fixture
-def fake_hub(tmp_path, monkeypatch):
-    """Repos under tmp/hub/<owner>/<name>; snapshot_download copies the files matching allow_patterns."""
-    import huggingface_hub
-
-    hub, cache = tmp_path / "hub", tmp_path / "cache"
-    calls = []
-
-    def snapshot_download(repo_id, allow_patterns=None, revision=None, **kwargs):
-        calls.append((repo_id, list(allow_patterns or []), revision))
-        src = hub / repo_id
-        if not src.exists():
-            raise huggingface_hub.errors.RepositoryNotFoundError(f"404 Client Error: {repo_id} not found")
-        dst = cache / repo_id.replace("/", "--")
-        dst.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if allow_patterns is None or any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
-                shutil.copy(f, dst / f.name)
-        return str(dst)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    return hub, calls
 
 
 def test_target_downloads_only_the_head_shard(fake_hub, tmp_path):
