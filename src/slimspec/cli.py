@@ -30,9 +30,10 @@ from slimspec.hub import HUB_ID, resolve_model
 from slimspec.inspection import inspect_drafter
 from slimspec.workflows import convert as conversion
 from slimspec.workflows import publish
-from slimspec.workflows.batch import run_batch
+from slimspec.workflows.batch import plan_batch, run_batch
 from slimspec.workflows.bench import HeadShape, bench_head, checkpoint_head, kappa_and_speedup
 from slimspec.workflows.job import conversion_job, data_options_from, distill_config_from
+from slimspec.workflows.plan import conversion_plan
 from slimspec.workflows.plane import build_plane, convert_rank_auto
 from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_command
 
@@ -227,12 +228,16 @@ RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "over
                    "0.90 of tau kept at d/8 on the embedded drafter); options given here override it.")
 @data_options
 @click.option("--push-to", help="After a successful conversion, push the folder to this Hub repo id.")
+@click.option("--dry-run", is_flag=True,
+              help="Plan the conversion from the inputs' configs and file sizes, reading and downloading no weight "
+                   "and writing nothing: rank, head parameters and FLOPs, bytes to download, peak memory of each "
+                   "stage; refuse a plan that does not fit the free memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
 def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path | None, dtype: str | None,
             overwrite: bool, revision: str | None, target_revision: str | None, stitch: str, init: str,
             distill_steps: int, push_to: str | None, as_json: bool, quiet: bool, kappa: float, recipe: str | None,
-            **kw) -> None:
+            dry_run: bool, **kw) -> None:
     """Replace DRAFTER's LM head by an SVD-initialised low-rank pair and write a vLLM-ready folder.
 
     \b
@@ -249,6 +254,15 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
                "init": init, "distill_steps": distill_steps, "push_to": push_to, "recipe": recipe}
     if _given(ctx, "kappa") and rank != "auto":
         raise click.UsageError("--kappa weighs the candidates of --rank auto; give --rank auto or drop it")
+    if dry_run:
+        if rank == "auto":
+            raise click.UsageError("--dry-run plans one conversion; --rank auto measures several")
+        job = conversion_job(options, given - {"dry_run"}, progress=not quiet)
+        job.validate()
+        plan = conversion_plan(job)
+        click.echo(json.dumps(plan.report) if as_json else plan.text())
+        plan.check()
+        return
     if rank == "auto":
         result = _convert_rank_auto(ctx, options, kappa, quiet)
     else:
@@ -462,7 +476,9 @@ def _print_push(plan, dry_run: bool) -> None:
 @click.argument("manifest", type=click.Path(path_type=Path))
 @click.option("--continue-on-error", is_flag=True, help="Run every job even after one fails.")
 @click.option("--report", type=click.Path(path_type=Path), help="Write the JSON-lines report here (default: stdout).")
-def batch(manifest: Path, continue_on_error: bool, report: Path | None) -> None:
+@click.option("--dry-run", is_flag=True, help="Plan every job as convert --dry-run does (one JSON line each) and run "
+              "none; exit code 1 when a job is refused.")
+def batch(manifest: Path, continue_on_error: bool, report: Path | None, dry_run: bool) -> None:
     """Run the conversions listed in MANIFEST (YAML, JSON or JSON lines).
 
     \b
@@ -478,6 +494,10 @@ def batch(manifest: Path, continue_on_error: bool, report: Path | None) -> None:
     replaced (any other existing folder only with overwrite: true; never the drafter's own);
     outputs are written atomically, so a killed batch can simply be run again. Exit code 1 when any job failed.
     """
+    if dry_run:
+        if any(line["status"] in ("refused", "failed") for line in plan_batch(manifest, report_path=report)):
+            sys.exit(1)
+        return
     results = run_batch(manifest, continue_on_error=continue_on_error, report_path=report)
     failed = [r for r in results if r.status in ("failed", "not run")]
     if failed:

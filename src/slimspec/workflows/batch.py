@@ -20,6 +20,7 @@ from slimspec.errors import OptionError, SlimSpecError, SlimSpecWarning, first_l
 from slimspec.evaluate.acceptance import evaluate, record_tau
 from slimspec.workflows import convert as conversion
 from slimspec.workflows.job import conversion_job
+from slimspec.workflows.plan import conversion_plan
 from slimspec.workflows.publish import push
 from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_keys
 
@@ -303,3 +304,43 @@ def run_batch(manifest: Path, *, continue_on_error: bool = False, report_path: P
                       f"distill_steps can lose most of the drafter's acceptance ({UNDISTILLED_EXAMPLE}); give them "
                       "recipe: brief (the demo's brief distillation) or distill_steps", SlimSpecWarning, stacklevel=2)
     return results
+
+
+def plan_batch(manifest: Path, *, report_path: Path | None = None) -> list[dict[str, Any]]:
+    """``batch --dry-run``: each job planned as ``convert --dry-run`` plans it, none run. One JSON line per job to
+    ``report_path`` (or stdout): ``status`` is ``planned``, ``already done`` (its output holds this very conversion),
+    ``refused`` (the plan does not fit the free memory: ``error`` says by how much) or ``failed`` (its inputs or
+    options are refused), with the plan; a progress line per job on stderr."""
+    jobs = read_manifest(manifest)
+    lines: list[dict[str, Any]] = []
+    sink = report_path.open("w") if report_path else sys.stdout
+    try:
+        for i, job in enumerate(jobs):
+            fingerprint = job_fingerprint(job)
+            out = Path(job.get("out") or f"{model_name(str(job['drafter']))}-slimspec-{fingerprint[:8]}")
+            line: dict[str, Any] = {"job": job["name"], "status": "planned", "out": str(out), "error": None,
+                                    "plan": None}
+            if finished(out, fingerprint, inputs_identity(job)):
+                line["status"] = "already done"
+            else:
+                overwrite = bool(job.get("overwrite")) or written_by_batch(out)
+                try:
+                    plan = conversion_plan(conversion_job({**job, "out": out, "push_to": None, "recipe": None}, (),
+                                                          overwrite=overwrite, progress=False), out)
+                except SlimSpecError as exc:
+                    line.update(status="failed", error=str(exc).replace("use --overwrite",
+                                                                        "set overwrite: true in the job"))
+                else:
+                    line.update(status="refused" if plan.refusal else "planned", error=plan.refusal,
+                                plan=plan.report)
+            lines.append(line)
+            peak = ", ".join(f"{device} {need / 1e9:.2f} GB" for device, need in (line["plan"] or {}).get(
+                "peak", {}).items())
+            detail = line["error"] or (f"rank {line['plan']['rank']}, peak {peak}" if line["plan"] else "")
+            print(f"[{i + 1}/{len(jobs)}] {job['name']}: {line['status']} {detail}".rstrip(), file=sys.stderr,
+                  flush=True)
+            print(json.dumps(line), file=sink, flush=True)
+    finally:
+        if report_path:
+            sink.close()
+    return lines
