@@ -26,7 +26,7 @@ from slimspec.errors import OptionError, SlimSpecError, SlimSpecWarning
 from slimspec.evaluate.acceptance import evaluate
 from slimspec.evaluate.plane import plane_report
 from slimspec.hardware import resolve_device
-from slimspec.hub import HUB_ID, resolve_model
+from slimspec.hub import resolve_model
 from slimspec.inspection import inspect_drafter
 from slimspec.workflows import convert as conversion
 from slimspec.workflows import publish
@@ -297,8 +297,7 @@ def _convert_rank_auto(ctx: click.Context, options: dict, kappa: float, quiet: b
         raise click.UsageError(f"--rank auto runs the plane's own recipe (drafter teacher, shipped calibration "
                                f"prompts) and takes no {', '.join(fixed)}")
     job = conversion_job({**options, "rank": "d/8"}, ())
-    _check_push_to(options.get("push_to"))
-    resolve_device(job.data_options.device)
+    job.validate()  # the push target and the device, as every conversion checks them
     drafter = options["drafter"]
     target = options["target"] or target_of(drafter)
     out = options["out"] or Path(f"{model_name(drafter)}-slimspec-auto")
@@ -308,11 +307,6 @@ def _convert_rank_auto(ctx: click.Context, options: dict, kappa: float, quiet: b
                       overwrite=options["overwrite"], progress=not quiet, device=job.data_options.device)
     saved = json.loads((out / "slimspec.json").read_text())
     return ConvertResult(out=out, rank=saved["rank"], report=saved)
-
-
-def _check_push_to(push_to: str | None) -> None:
-    if push_to and not HUB_ID.match(push_to):
-        raise click.UsageError(f"--push-to {push_to!r} is not a Hub repo id (owner/name)")
 
 
 def _print_convert_report(report: dict) -> None:
