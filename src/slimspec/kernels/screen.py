@@ -1,0 +1,173 @@
+"""Screen-and-rescore LM head: a low-rank pair screens every token, the exact rows of a shortlist rescore it.
+
+For hidden states h [B, d], a pair ``w_down [r, d]``, ``w_up [V, r]`` and the exact head ``w_exact [V, d]``:
+
+- screen = (h @ w_down.T) @ w_up.T                     [B, V], float32 accumulation
+- shortlist S = the ``shortlist`` (K) largest screen values of each row, then ``hot_ids`` (N tokens always scored)
+- exact[S] = h @ w_exact[S].T, float32 accumulation
+- token = S[argmax exact[S]]: the exact argmax over the shortlist
+- logits: the two-level logits, exact on S and the pair's screen elsewhere, in h.dtype
+
+Ties go to the lower token id everywhere: which of equal screen values enter the top K, and which of equal exact
+values wins. A hot id that is also in the top K is scored twice (same value; no harm). Multiply-adds per row:
+``r (V + d) + (K + N) d`` (:func:`screen_share` gives them as a share of the full head's ``V d``).
+
+Three paths with one signature:
+
+- :func:`screen_rescore_reference`: plain float32 torch (upcast copies, a stable sort), the tests' reference;
+- :func:`screen_rescore_torch`: the fast path for the CPU (native-dtype GEMVs, ``torch.topk``, the shortlist's
+  rows gathered into a reused buffer, no fresh copy per call);
+- :func:`screen_rescore_triton`: the screen through the low-rank Triton kernel, ``torch.topk`` selection (a radix
+  select on CUDA, no sort) and one gathered kernel that rescores the shortlist, writes the exact logits in place
+  and keeps a running (max, id) per block (``slimspec.kernels.triton_screen``).
+
+:func:`screen_rescore` picks Triton on CUDA (or under ``TRITON_INTERPRET=1``) and the fast torch path elsewhere.
+Importing this module does not import triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from slimspec.kernels.dispatch import _on_device, _resolve
+from slimspec.kernels.reference import lowrank_logits_fp32
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# reused gather buffers, one per (device, dtype, hidden): the rows of the shortlist are copied into it each call
+_BUFFERS: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}
+
+
+def screen_share(vocab: int, hidden: int, rank: int, shortlist: int, hot: int = 0) -> float:
+    """Multiply-adds of the screen and rescore as a share of the full ``V x d`` head's: (r (V+d) + (K+N) d) / (V d)."""
+    return (rank * (vocab + hidden) + (shortlist + hot) * hidden) / (vocab * hidden)
+
+
+def check_inputs(hidden: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, w_exact: torch.Tensor,
+                 shortlist: int, hot_ids: torch.Tensor | None) -> None:
+    """Shapes, dtypes and devices of a screen-and-rescore call; ValueError/TypeError naming what is wrong."""
+    if hidden.dim() != 2 or w_down.dim() != 2 or w_up.dim() != 2 or w_exact.dim() != 2:
+        raise ValueError("hidden [B, d], w_down [r, d], w_up [V, r] and w_exact [V, d] must be 2-D")
+    (_, dim), (rank, dim_down), (vocab, rank_up) = hidden.shape, w_down.shape, w_up.shape
+    if dim_down != dim or rank_up != rank or tuple(w_exact.shape) != (vocab, dim):
+        raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)}, w_down {tuple(w_down.shape)}, w_up "
+                         f"{tuple(w_up.shape)}, w_exact {tuple(w_exact.shape)} (expected [B, d], [r, d], [V, r], "
+                         "[V, d])")
+    if hidden.dtype not in _DTYPES or any(w.dtype != hidden.dtype for w in (w_down, w_up, w_exact)):
+        raise TypeError(f"hidden and the weights must share one of float32/float16/bfloat16, got {hidden.dtype}, "
+                        f"{w_down.dtype}, {w_up.dtype}, {w_exact.dtype}")
+    if not 1 <= shortlist <= vocab:
+        raise ValueError(f"shortlist must be in [1, V={vocab}], got {shortlist}")
+    devices = {t.device for t in (hidden, w_down, w_up, w_exact)} | ({hot_ids.device} if hot_ids is not None else set())
+    if len(devices) > 1:
+        raise ValueError(f"tensors on different devices: {sorted(map(str, devices))}")
+    if hot_ids is not None:
+        if hot_ids.dim() != 1 or hot_ids.dtype != torch.long:
+            raise TypeError(f"hot_ids must be a 1-D int64 tensor, got {hot_ids.dtype} {tuple(hot_ids.shape)}")
+        if hot_ids.numel() and not (0 <= int(hot_ids.min()) and int(hot_ids.max()) < vocab):
+            raise ValueError(f"hot_ids must lie in [0, V={vocab})")
+
+
+def with_hot(top_ids: torch.Tensor, hot_ids: torch.Tensor | None) -> torch.Tensor:
+    """The shortlist [B, K + N]: each row's top-K ids, then the hot ids."""
+    if hot_ids is None or hot_ids.numel() == 0:
+        return top_ids
+    return torch.cat([top_ids, hot_ids.to(top_ids.device).expand(top_ids.shape[0], -1)], dim=1)
+
+
+def shortlist_argmax(exact: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: the id with the largest exact value in each row, the lower id among equal values."""
+    best = exact.max(dim=-1, keepdim=True).values
+    sentinel = torch.iinfo(torch.int64).max
+    return torch.where(exact == best, ids, torch.full_like(ids, sentinel)).min(dim=-1).values
+
+
+def topk_lower_ids(screen: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [B, k]: ids of each row's k largest values, equal values at the k-th place taken lowest id first.
+
+    ``torch.topk`` (a radix select on CUDA, no sort) does the work; where a row has more values equal to its k-th
+    largest than the top k holds, that row's picks are redone by threshold: every value above the k-th largest,
+    then the lowest ids among those equal to it.
+    """
+    values, ids = torch.topk(screen, k, dim=-1, sorted=False)
+    kth = values.min(dim=-1, keepdim=True).values
+    ties = (screen == kth).sum(dim=-1) > (values == kth).sum(dim=-1)
+    if not bool(ties.any()):
+        return ids
+    rows = ties.nonzero().flatten()
+    part, threshold = screen[rows], kth[rows]
+    equal = part == threshold
+    room = k - (part > threshold).sum(dim=-1, keepdim=True)
+    keep = (part > threshold) | (equal & (equal.cumsum(dim=-1) <= room))
+    ids = ids.clone()
+    ids[rows] = keep.nonzero()[:, 1].view(len(rows), k)
+    return ids
+
+
+def screen_rescore_reference(hidden: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, w_exact: torch.Tensor,
+                             shortlist: int, hot_ids: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B] int64, two-level logits [B, V] in hidden.dtype) in plain float32 torch; the top K by a stable
+    descending sort (equal screen values in id order)."""
+    check_inputs(hidden, w_down, w_up, w_exact, shortlist, hot_ids)
+    screen = lowrank_logits_fp32(hidden, w_down, w_up)
+    top = torch.sort(screen, dim=-1, descending=True, stable=True).indices[:, :shortlist]
+    ids = with_hot(top, hot_ids)
+    exact = torch.einsum("bkd,bd->bk", w_exact[ids].float(), hidden.float())
+    logits = screen.scatter(1, ids, exact)
+    return shortlist_argmax(exact, ids), logits.to(hidden.dtype)
+
+
+def _gather_buffer(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """A reused [rows, d] buffer of ``like``'s dtype and device (grown when too small, never shrunk)."""
+    key = (str(like.device), like.dtype, like.shape[1])
+    buffer = _BUFFERS.get(key)
+    if buffer is None or buffer.shape[0] < rows:
+        buffer = torch.empty(rows, like.shape[1], dtype=like.dtype, device=like.device)
+        _BUFFERS[key] = buffer
+    return buffer[:rows]
+
+
+def rescore_rows(hidden: torch.Tensor, w_exact: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [B, M]: ``hidden[b] . w_exact[ids[b, m]]``, the rows gathered into a reused buffer (no fresh copy)."""
+    batch, width = ids.shape
+    if torch.is_grad_enabled() and (hidden.requires_grad or w_exact.requires_grad):
+        rows = w_exact[ids.reshape(-1)]  # index_select(out=...) has no autograd
+    else:
+        rows = torch.index_select(w_exact, 0, ids.reshape(-1), out=_gather_buffer(w_exact, batch * width))
+    if batch == 1:
+        return F.linear(hidden, rows).float()
+    return torch.bmm(rows.view(batch, width, hidden.shape[1]), hidden.unsqueeze(-1)).squeeze(-1).float()
+
+
+def screen_rescore_torch(hidden: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, w_exact: torch.Tensor,
+                         shortlist: int, hot_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fast torch path (any device): GEMVs in the weights' dtype, ``torch.topk`` with the lower-id tie rule,
+    the shortlist's exact rows gathered into a reused buffer. Same results as the reference up to the summation
+    order of the BLAS (16-bit inputs: the screen is rounded to the weights' dtype before selection)."""
+    check_inputs(hidden, w_down, w_up, w_exact, shortlist, hot_ids)
+    screen = F.linear(F.linear(hidden, w_down), w_up)
+    ids = with_hot(topk_lower_ids(screen, shortlist), hot_ids)
+    exact = rescore_rows(hidden, w_exact, ids)
+    logits = screen.scatter_(1, ids, exact.to(screen.dtype))
+    return shortlist_argmax(exact, ids), logits
+
+
+def screen_rescore_triton(hidden: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, w_exact: torch.Tensor,
+                          shortlist: int, hot_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton path (CUDA, or any device under ``TRITON_INTERPRET=1``); forward only."""
+    check_inputs(hidden, w_down, w_up, w_exact, shortlist, hot_ids)
+    from slimspec.kernels import triton_screen
+
+    with _on_device(hidden):
+        return triton_screen.screen_rescore(hidden, w_down, w_up, w_exact, shortlist, hot_ids)
+
+
+def screen_rescore(hidden: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, w_exact: torch.Tensor,
+                   shortlist: int, hot_ids: torch.Tensor | None = None, *, backend: str = "auto"
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(greedy tokens [B] int64, two-level logits [B, V]): Triton where it runs (``backend="auto"``: CUDA without
+    gradients), the fast torch path elsewhere; ``backend="torch"`` / ``"triton"`` force one."""
+    if _resolve(backend, hidden, hidden, w_down, w_up, w_exact) == "triton":
+        return screen_rescore_triton(hidden, w_down, w_up, w_exact, shortlist, hot_ids)
+    return screen_rescore_torch(hidden, w_down, w_up, w_exact, shortlist, hot_ids)
