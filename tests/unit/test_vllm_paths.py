@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from slimspec import vllm_env
 from slimspec.evaluate import vllm_engine
 
 
@@ -17,7 +19,7 @@ def test_relative_local_paths_reach_vllm_absolute(tmp_path: Path, monkeypatch: p
     (tmp_path / "drafter").mkdir()
     (tmp_path / "target").mkdir()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(vllm_engine.PYTHON_ENV, sys.executable)
+    monkeypatch.setenv(vllm_env.PYTHON_ENV, sys.executable)
     monkeypatch.setenv(vllm_engine.SCRIPT_ENV, __file__)
     seen: list[list[str]] = []
 
@@ -58,11 +60,11 @@ def test_engine_python_and_command_without_a_checkout(tmp_path: Path, monkeypatc
     with vLLM importable here it must run this python with the module shipped in the package; without vLLM
     anywhere it must say how to get it; an explicit SLIMSPEC_VLLM_PYTHON or check script wins."""
     monkeypatch.setattr(vllm_engine, "REPO", tmp_path)  # a site-packages install: no .venv-vllm beside it
-    monkeypatch.delenv(vllm_engine.PYTHON_ENV, raising=False)
+    monkeypatch.delenv(vllm_env.PYTHON_ENV, raising=False)
     monkeypatch.delenv(vllm_engine.SCRIPT_ENV, raising=False)
     found = {"vllm": True}
-    real_find_spec = vllm_engine.importlib.util.find_spec
-    monkeypatch.setattr(vllm_engine.importlib.util, "find_spec",
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "vllm" and found["vllm"] else real_find_spec(name, *a))
     python = vllm_engine.vllm_python()
     assert python == Path(sys.executable)
@@ -73,7 +75,7 @@ def test_engine_python_and_command_without_a_checkout(tmp_path: Path, monkeypatc
     (tmp_path / ".venv-vllm" / "bin").mkdir(parents=True)
     (tmp_path / ".venv-vllm" / "bin" / "python").touch()
     assert vllm_engine.vllm_python() == tmp_path / ".venv-vllm" / "bin" / "python"
-    monkeypatch.setenv(vllm_engine.PYTHON_ENV, sys.executable)
+    monkeypatch.setenv(vllm_env.PYTHON_ENV, sys.executable)
     monkeypatch.setenv(vllm_engine.SCRIPT_ENV, __file__)
     assert vllm_engine.vllm_python() == Path(sys.executable)
     assert vllm_engine.check_command(Path(sys.executable)) == [sys.executable, __file__]
@@ -94,7 +96,7 @@ def test_engine_failures_are_one_line_errors(monkeypatch: pytest.MonkeyPatch) ->
     reporting tau NaN (invalid JSON under --json)."""
     from slimspec.errors import SlimSpecError
 
-    monkeypatch.setenv(vllm_engine.PYTHON_ENV, sys.executable)
+    monkeypatch.setenv(vllm_env.PYTHON_ENV, sys.executable)
     monkeypatch.setenv(vllm_engine.SCRIPT_ENV, __file__)
 
     def timed_out(cmd, **kwargs):

@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any
 
-from slimspec.evaluate.vllm_engine import ENGINE_DEFAULTS
+from slimspec.vllm_env import ENGINE_DEFAULTS
 
 # Before vLLM is imported: in-process engine (starts in seconds, no __main__ re-import), logs on stderr.
 for _name, _value in ENGINE_DEFAULTS.items():

@@ -9,49 +9,30 @@ imports vLLM.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from slimspec import vllm_env
 from slimspec.checkpoint.drafter import MASK_HIDDEN
 from slimspec.checkpoint.files import weight_map
 from slimspec.errors import SlimSpecError
 from slimspec.evaluate.spec_decode import NO_ROUND
+from slimspec.vllm_env import ENGINE_ENV
 
-REPO = Path(__file__).resolve().parents[3]
-PYTHON_ENV = "SLIMSPEC_VLLM_PYTHON"  # a python with vLLM (default: <repo>/.venv-vllm, else this one if it has vLLM)
+REPO = Path(__file__).resolve().parents[3]  # the checkout whose .venv-vllm is looked for
 SCRIPT_ENV = "SLIMSPEC_VLLM_CHECK"  # a check script to run instead of the module below
 CHECK_MODULE = "slimspec.evaluate.vllm_check"
-ENGINE_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                   "VLLM_LOGGING_STREAM": "ext://sys.stderr", "TOKENIZERS_PARALLELISM": "false"}
-"""What the check module sets (unless already set) before it imports vLLM: in-process engine, logs on stderr."""
-ENGINE_ENV = {**ENGINE_DEFAULTS, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}  # no usage report to stats.vllm.ai
 
 
 def vllm_python() -> Path:
-    """The python that runs vLLM: ``$SLIMSPEC_VLLM_PYTHON``, the repository's ``.venv-vllm``, or this python when
-    vLLM is installed here; else a clear error saying how to get one."""
-    chosen = os.environ.get(PYTHON_ENV)
-    if chosen:
-        path = Path(chosen)
-        if not path.exists():
-            raise SlimSpecError(f"{PYTHON_ENV}={chosen} does not exist")
-        return path
-    repo_venv = REPO / ".venv-vllm" / "bin" / "python"
-    if repo_venv.exists():
-        return repo_venv
-    if importlib.util.find_spec("vllm") is not None:
-        return Path(sys.executable)
-    raise SlimSpecError("no vLLM to run: install it here (pip install 'slimspec[vllm]'), run "
-                        f"scripts/setup_vllm_venv.sh in a slimspec checkout, or set {PYTHON_ENV} to a python "
-                        "with vllm and slimspec installed")
+    """The python that runs vLLM (:func:`slimspec.vllm_env.vllm_python`, this checkout's ``.venv-vllm`` first)."""
+    return vllm_env.vllm_python(REPO)
 
 
 def check_command(python: Path) -> list[str]:
