@@ -32,6 +32,10 @@ import torch.nn.functional as F
 
 from slimspec.kernels.dispatch import _on_device, _resolve
 from slimspec.kernels.reference import lowrank_logits_fp32
+from slimspec.kernels.shortlist import shortlist_argmax, topk_lower_ids, with_hot
+
+__all__ = ["screen_rescore", "screen_rescore_reference", "screen_rescore_torch", "screen_rescore_triton",
+           "screen_share", "shortlist_argmax", "topk_lower_ids", "with_hot"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # reused gather buffers, one per (device, dtype, hidden): the rows of the shortlist are copied into it each call
@@ -66,42 +70,6 @@ def check_inputs(hidden: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor,
             raise TypeError(f"hot_ids must be a 1-D int64 tensor, got {hot_ids.dtype} {tuple(hot_ids.shape)}")
         if hot_ids.numel() and not (0 <= int(hot_ids.min()) and int(hot_ids.max()) < vocab):
             raise ValueError(f"hot_ids must lie in [0, V={vocab})")
-
-
-def with_hot(top_ids: torch.Tensor, hot_ids: torch.Tensor | None) -> torch.Tensor:
-    """The shortlist [B, K + N]: each row's top-K ids, then the hot ids."""
-    if hot_ids is None or hot_ids.numel() == 0:
-        return top_ids
-    return torch.cat([top_ids, hot_ids.to(top_ids.device).expand(top_ids.shape[0], -1)], dim=1)
-
-
-def shortlist_argmax(exact: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """int64 [B]: the id with the largest exact value in each row, the lower id among equal values."""
-    best = exact.max(dim=-1, keepdim=True).values
-    sentinel = torch.iinfo(torch.int64).max
-    return torch.where(exact == best, ids, torch.full_like(ids, sentinel)).min(dim=-1).values
-
-
-def topk_lower_ids(screen: torch.Tensor, k: int) -> torch.Tensor:
-    """int64 [B, k]: ids of each row's k largest values, equal values at the k-th place taken lowest id first.
-
-    ``torch.topk`` (a radix select on CUDA, no sort) does the work; where a row has more values equal to its k-th
-    largest than the top k holds, that row's picks are redone by threshold: every value above the k-th largest,
-    then the lowest ids among those equal to it.
-    """
-    values, ids = torch.topk(screen, k, dim=-1, sorted=False)
-    kth = values.min(dim=-1, keepdim=True).values
-    ties = (screen == kth).sum(dim=-1) > (values == kth).sum(dim=-1)
-    if not bool(ties.any()):
-        return ids
-    rows = ties.nonzero().flatten()
-    part, threshold = screen[rows], kth[rows]
-    equal = part == threshold
-    room = k - (part > threshold).sum(dim=-1, keepdim=True)
-    keep = (part > threshold) | (equal & (equal.cumsum(dim=-1) <= room))
-    ids = ids.clone()
-    ids[rows] = keep.nonzero()[:, 1].view(len(rows), k)
-    return ids
 
 
 def screen_rescore_reference(hidden: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, w_exact: torch.Tensor,

@@ -1,7 +1,7 @@
 """Triton path of the screen-and-rescore head (see ``slimspec.kernels.screen`` for the semantics).
 
 1. the screen: ``triton_lowrank.lowrank_logits`` in float32 ([B, V]; the two-level logits start from it);
-2. selection: ``screen.topk_lower_ids`` (``torch.topk``: a radix select on CUDA, no sort; a threshold pass only for
+2. selection: ``shortlist.topk_lower_ids`` (``torch.topk``: a radix select on CUDA, no sort; a threshold pass only for
    rows with ties at the K-th place);
 3. ``_rescore_kernel``: one gathered kernel, grid (shortlist blocks, B). Each program loads its ``BLOCK_M`` ids,
    streams their exact rows in ``BLOCK_D`` chunks (the rows are read where they lie, never copied), accumulates the
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from slimspec.kernels import triton_lowrank
-from slimspec.kernels.screen import shortlist_argmax, topk_lower_ids, with_hot
+from slimspec.kernels.shortlist import shortlist_argmax, topk_lower_ids, with_hot
 
 BLOCK_M = 16  # shortlist entries per program
 BLOCK_D = 256  # hidden chunk per step
