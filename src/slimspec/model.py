@@ -234,6 +234,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+def windowed(mask: Tensor, query_positions: Tensor, key_positions: Tensor, window: int | None) -> Tensor:
+    """``mask`` [B or 1, T, S] narrowed to a sliding window over ``query_positions`` [B, T] and ``key_positions``
+    [B or 1, S]: a query at position p keeps the keys at positions p - window + 1 .. p (``window`` keys, its own
+    included: vLLM's window, as transformers' and speculators'); ``mask`` itself for ``window`` None."""
+    if window is None:
+        return mask
+    distance = query_positions.unsqueeze(-1) - key_positions.unsqueeze(-2)
+    return mask & (distance < window)
+
+
 # ----------------------------------------------------------------------------------------------- layer
 
 
@@ -353,6 +363,7 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = Eagle3Layer(cfg)
         # layers 1, 2, ... of a multi-layer drafter (state-dict names layers.{i}.*, as vLLM's); empty for one layer
         self.layers = nn.ModuleDict({str(i): Eagle3DecoderLayer(cfg) for i in range(1, cfg.num_layers)})
+        self.attention_windows = [cfg.attention_window(i) for i in range(cfg.num_layers)]  # None: full attention
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head: Head | None = head if head is not None else FullHead.empty(cfg.draft_vocab_size, cfg.hidden_size)
         if self.lm_head is not None:
@@ -478,12 +489,14 @@ class Eagle3Drafter(nn.Module):
 
     def forward(self, input_ids: Tensor | None = None, hidden: Tensor | None = None, positions: Tensor | None = None,
                 past_key_values: KVCache | None = None, attention_mask: Tensor | None = None,
-                inputs_embeds: Tensor | None = None) -> tuple[Tensor, KVCache]:
+                inputs_embeds: Tensor | None = None, key_positions: Tensor | None = None) -> tuple[Tensor, KVCache]:
         """One pass of the decoder layer(s) over T new positions; returns (pre-norm h [B, T, H], new cache).
 
         ``hidden`` [B, T, H] is ``combine(aux)`` on step 0, or a previous step's output (see ``next_hidden``).
         ``positions`` [B, T] default to ``cached + arange(T)``. ``attention_mask``: boolean [B or 1, T, S]
         over S = cached + T keys (True = may attend); default causal with every cached key visible.
+        ``key_positions`` [B or 1, S]: the positions of those keys, which a sliding-window layer's window counts
+        over (default: the new keys at ``positions``, the cached ones at the positions just before the first).
         The returned cache holds the cached and the new keys/values (RoPE applied).
         """
         if hidden is None:
@@ -496,17 +509,23 @@ class Eagle3Drafter(nn.Module):
         if attention_mask is None:
             q = torch.arange(t, device=hidden.device).unsqueeze(1) + past_len
             attention_mask = (torch.arange(past_len + t, device=hidden.device).unsqueeze(0) <= q).unsqueeze(0)
+        masks = [attention_mask] * len(self.attention_windows)
+        if any(w is not None for w in self.attention_windows):
+            if key_positions is None:  # the new keys at their positions, the cached ones just before the first
+                cached = positions[:, :1] - past_len + torch.arange(past_len, device=hidden.device)
+                key_positions = torch.cat([cached, positions], dim=1)
+            masks = [windowed(attention_mask, positions, key_positions, w) for w in self.attention_windows]
         cos, sin = self.rope(positions)
         kv = self.config.num_key_value_heads
         past = [None if past_key_values is None else
                 (past_key_values[0][:, i * kv:(i + 1) * kv], past_key_values[1][:, i * kv:(i + 1) * kv])
                 for i in range(1 + len(self.layers))]
-        h, cache = self.midlayer(emb, hidden, cos, sin, past[0], attention_mask)
+        h, cache = self.midlayer(emb, hidden, cos, sin, past[0], masks[0])
         if not self.layers:
             return h, cache
         caches = [cache]
         for i, layer in enumerate(self.layers.values(), start=1):
-            h, cache = layer(h, cos, sin, past[i], attention_mask)
+            h, cache = layer(h, cos, sin, past[i], masks[i])
             caches.append(cache)
         return h, (torch.cat([c[0] for c in caches], dim=1), torch.cat([c[1] for c in caches], dim=1))
 
@@ -536,9 +555,10 @@ class Eagle3Drafter(nn.Module):
         0..T-1). Step i >= 1: hidden ``next_hidden`` of step i-1 at t, token x_{t+1+i}, RoPE position t+i.
         Step i at position t predicts **x_{t+2+i}** (its teacher is the target's distribution at t+1+i).
         Step i's query at t attends causally to step-0 keys at positions <= t plus the keys of steps 1..i at
-        position t only -- exactly what a cached draft chain at inference sees. A P-EAGLE drafter's steps i >= 1 are
-        its masked slots instead (token and hidden from ``masked_slots``, same positions and mask): what one parallel
-        draft pass at inference sees.
+        position t only -- exactly what a cached draft chain at inference sees; a sliding-window layer keeps those
+        within its window of the query's RoPE position t+i, counting each key at its own (step j's at t+j), as vLLM's
+        cache holds them. A P-EAGLE drafter's steps i >= 1 are its masked slots instead (token and hidden from
+        ``masked_slots``, same positions and mask): what one parallel draft pass at inference sees.
         """
         emb = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         b, t, _ = aux.shape
@@ -556,8 +576,9 @@ class Eagle3Drafter(nn.Module):
         for i in range(steps):
             mask = torch.cat([causal] + [diag] * i, dim=1).unsqueeze(0)  # [1, T, (i+1)T]
             step_emb = emb[:, 1 + i:1 + i + t] if i == 0 or slots is None else slots[0]
+            keys = torch.cat([positions + j for j in range(i + 1)], dim=1)  # each key at its RoPE position
             h, cache = self.forward(inputs_embeds=step_emb, hidden=hidden, positions=positions + i,
-                                    past_key_values=cache, attention_mask=mask)
+                                    past_key_values=cache, attention_mask=mask, key_positions=keys)
             outputs.append(h)
             hidden = self.next_hidden(h) if slots is None else slots[1]
         return outputs

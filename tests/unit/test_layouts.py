@@ -297,22 +297,6 @@ def test_bin_never_runs_pickle_code(tmp_path):
     assert not os.path.exists("/tmp/slimspec_pwned")
 
 
-@pytest.mark.parametrize("layout", ["eagle", "speculators"])
-def test_sliding_window_drafter_is_refused(tmp_path, layout):
-    """Catches a sliding-window drafter (layer_types + sliding_window) converted and served as full attention."""
-    write_drafter(tmp_path / "d", layout, Spec())
-    config = json.loads((tmp_path / "d" / "config.json").read_text())
-    layer = config["transformer_layer_config"] if layout == "speculators" else config
-    layer.update(layer_types=["sliding_attention"], sliding_window=2048)
-    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="sliding-window attention") as caught:
-        load_drafter(tmp_path / "d")
-    assert "\n" not in str(caught.value)
-    layer.update(layer_types=["full_attention", "sliding_attention"])  # a layer this drafter does not have
-    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
-    assert load_drafter(tmp_path / "d").config.num_layers == 1
-
-
 def test_quantised_drafter_is_refused(tmp_path):
     """Catches an FP8/quantised drafter converted from its raw stored values with the scales dropped."""
     written = write_drafter(tmp_path / "d", "specforge", Spec())

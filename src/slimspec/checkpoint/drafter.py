@@ -47,6 +47,7 @@ LATER_LAYER = re.compile(r"^layers\.([1-9][0-9]*)\.(.+)$")
 # layer's hidden_norm and an input_norm without norm_before_fc (built, never read). Anything else dropped is unknown.
 KNOWN_UNUSED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^layers\.[1-9][0-9]*\.hidden_norm\.weight$"
                           r"|^input_norm\.weight$")
+SLIDING = "sliding_attention"  # the layer_types entry of a sliding-window layer (any other one is full attention)
 # P-EAGLE (parallel drafting): the stand-in for the target's aux features at the masked draft slots, [1, n*Ht]
 MASK_HIDDEN = "mask_hidden"
 # config keys naming the token of the masked slots, in the order vLLM's proposer reads them (speculators' "peagle"
@@ -86,6 +87,11 @@ class DrafterConfig:
     norm_output: bool = False
     num_layers: int = 1  # decoder layers: the EAGLE-3 layer, then plain ones over the hidden state (vLLM's layer_idx)
     attention_bias: bool = False  # q/k/v biases (and o_proj's in Llama-style layers), as vLLM builds them
+    # Sliding-window attention as vLLM builds it: ``layer_types[i]`` is ``sliding_attention`` or ``full_attention``
+    # for each decoder layer (None: every layer full); a sliding layer's query at position p attends the keys at
+    # positions p - sliding_window + 1 .. p (``sliding_window`` keys, its own included)
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     # P-EAGLE: the token of the masked slots of a parallel drafter (one with mask_hidden); None drafts in a chain
     parallel_token_id: int | None = None
     target_model: str | None = None  # the verifier named in the config, if any
@@ -93,6 +99,11 @@ class DrafterConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def attention_window(self, layer: int) -> int | None:
+        """The keys decoder layer ``layer`` attends at most (its own position's included), or None: full attention."""
+        types = self.layer_types or []
+        return self.sliding_window if layer < len(types) and types[layer] == SLIDING else None
 
 
 @dataclass
@@ -252,6 +263,9 @@ class _SourceConfig:
     served: dict[str, Any]  # what vLLM builds the drafter from: flags, biases, feature count, mask-slot token
     eagle: dict[str, Any]  # eagle_config ({} without one), where vLLM reads norm_before_fc first
     norm_before_residual_default: bool  # the layout's default for the flag when no config sets it
+    # the config class vLLM builds ``served`` into: transformers' for the flat config's model_type, or vLLM's own
+    # SpeculatorsConfig (``speculators``), which keeps every key as written
+    config_class: str = "llama"
 
 
 def _get_eagle_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -264,7 +278,7 @@ def _read_flat(raw: dict[str, Any]) -> _SourceConfig:
     """EAGLE (yuhuili), SpecForge, ModelOpt, AngelSlim and SlimSpec configs: one flat Llama-style config holding the
     layer and the flags, which vLLM builds the drafter from as it is, beside an optional ``eagle_config``."""
     return _SourceConfig(raw=raw, layer=raw, served=raw, eagle=_get_eagle_config(raw),
-                         norm_before_residual_default=False)
+                         norm_before_residual_default=False, config_class=str(raw.get("model_type") or "llama"))
 
 
 def _speculators_served(raw: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
@@ -291,7 +305,8 @@ def _read_speculators(raw: dict[str, Any]) -> _SourceConfig:
     if not isinstance(layer, dict):
         raise CheckpointError("speculators config has no transformer_layer_config")
     return _SourceConfig(raw=raw, layer=layer, served=_speculators_served(raw, layer), eagle=_get_eagle_config(raw),
-                         norm_before_residual_default=raw.get("speculators_model_type") != "peagle")
+                         norm_before_residual_default=raw.get("speculators_model_type") != "peagle",
+                         config_class="speculators")
 
 
 # The adapter reading each layout's config: speculators nests the layer and writes its flags over it; every other
@@ -307,7 +322,8 @@ _CONFIG_READERS = {
 # layer config keys DrafterConfig reads into its own fields; the other scalar ones go to its ``extra``
 _READ_LAYER_KEYS = {"hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                     "vocab_size", "draft_vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
-                    "max_position_embeddings", "hidden_act", "model_type", "architectures", "torch_dtype", "dtype"}
+                    "max_position_embeddings", "hidden_act", "model_type", "architectures", "torch_dtype", "dtype",
+                    "sliding_window", "use_sliding_window", "max_window_layers"}
 
 
 def _build_config(raw: dict[str, Any], layout: str, tensors: dict[str, torch.Tensor]) -> DrafterConfig:
@@ -420,11 +436,11 @@ def _canonical_config(src: _SourceConfig, tensors: dict[str, torch.Tensor]) -> D
     vocab, draft_vocab = _vocab_sizes(src, tensors)
     model_type = _layer_style(tensors)
     _refuse_unbuilt_biases(served, model_type)
-    _refuse_sliding_window(served, decoder_layer_count(tensors))
     parallel_token = _parallel_token(served, tensors)
     target_model = _target_model(src.raw)
     rope_theta, rope_scaling = rope_of(layer)
     num_layers = _layer_count(layer, tensors)
+    layer_types, sliding_window = _sliding_windows(src, num_layers)
     return DrafterConfig(
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -448,6 +464,8 @@ def _canonical_config(src: _SourceConfig, tensors: dict[str, torch.Tensor]) -> D
         norm_output=_flag(src, "norm_output", False),
         num_layers=num_layers,
         attention_bias=bool(served.get("attention_bias") or False),
+        layer_types=layer_types,
+        sliding_window=sliding_window,
         parallel_token_id=parallel_token,
         target_model=target_model,
         extra={k: v for k, v in layer.items() if k not in _READ_LAYER_KEYS and isinstance(v, (int, float, str, bool))},
@@ -538,18 +556,26 @@ def _refuse_unbuilt_biases(served: dict[str, Any], model_type: str) -> None:
                               "convert")
 
 
-def _refuse_sliding_window(served: dict[str, Any], num_layers: int) -> None:
-    """A drafter layer vLLM builds with sliding-window attention (``layer_types[i]`` is ``sliding_attention`` and
-    ``sliding_window`` is set; vLLM's Llama and Qwen3 Eagle3 layers honour both): neither the written config nor the
-    PyTorch drafter carries the window, so it is refused rather than converted to full attention."""
-    layer_types = served.get("layer_types")
-    if not served.get("sliding_window") or not isinstance(layer_types, list):
-        return
-    sliding = [i for i, kind in enumerate(layer_types[:num_layers]) if kind == "sliding_attention"]
-    if sliding:
-        raise CheckpointError(f"decoder layer {sliding[0]} uses sliding-window attention (layer_types, "
-                              f"sliding_window={served['sliding_window']}): sliding-window drafters are not "
-                              "supported yet")
+def _sliding_windows(src: _SourceConfig, num_layers: int) -> tuple[list[str] | None, int | None]:
+    """(layer_types, sliding_window) of the drafter's ``num_layers`` decoder layers as vLLM builds them (its Llama and
+    Qwen3 Eagle3 layers give layer ``i`` the window where ``layer_types[i]`` is ``sliding_attention``); (None, None)
+    when no layer slides. The config class decides what vLLM sees: transformers' Qwen3Config keeps the window only
+    under ``use_sliding_window`` and derives absent layer_types from ``max_window_layers``; LlamaConfig and vLLM's
+    SpeculatorsConfig keep both as written; a window of 0 is none (vLLM's ModelConfig). Layers the list does not
+    reach are full attention (vLLM's Qwen3 layer; its Llama layer fails on a short list)."""
+    served = src.served
+    window, types = served.get("sliding_window"), served.get("layer_types")
+    if src.config_class == "qwen3":
+        window = window if served.get("use_sliding_window") else None
+        if types is None and window is not None:
+            first = int(served.get("max_window_layers", 28))
+            types = [SLIDING if i >= first else "full_attention" for i in range(num_layers)]
+    if not window or not isinstance(types, list):
+        return None, None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise CheckpointError(f"the config's sliding_window {window!r} is not a positive number of positions")
+    types = [SLIDING if i < len(types) and types[i] == SLIDING else "full_attention" for i in range(num_layers)]
+    return (types, window) if SLIDING in types else (None, None)
 
 
 QUANTISED_CONFIG_KEYS = ("quantization_config", "compression_config")

@@ -87,14 +87,18 @@ def eagle_config_json(cfg: DrafterConfig, draft_vocab: int, aux_convention: str 
 
 def _variant_keys(config: dict[str, Any], cfg: DrafterConfig) -> None:
     """Keys only some drafters need: the feature count (vLLM assumes 3 without it), a P-EAGLE drafter's mask-slot
-    token (under the key AWS's P-EAGLE drafters use; vLLM reads it) and attention_bias (vLLM then builds the biases
-    the weights hold)."""
+    token (under the key AWS's P-EAGLE drafters use; vLLM reads it), attention_bias (vLLM then builds the biases
+    the weights hold) and a sliding window: ``layer_types`` for every layer with ``sliding_window``, which vLLM's
+    Llama and Qwen3 Eagle3 layers read, and ``use_sliding_window`` (without it transformers' Qwen3Config drops the
+    window)."""
     if cfg.aux_layer_ids or cfg.num_aux_hidden_states != 3:
         config["num_aux_hidden_states"] = cfg.num_aux_hidden_states
     if cfg.parallel_token_id is not None:
         config["ptd_token_id"] = cfg.parallel_token_id
     if cfg.attention_bias:
         config["attention_bias"] = True
+    if cfg.layer_types:
+        config.update(layer_types=list(cfg.layer_types), sliding_window=cfg.sliding_window, use_sliding_window=True)
 
 
 def _distilled(report: dict[str, Any]) -> str:
