@@ -22,9 +22,12 @@ import warnings
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "full_vocab_kl", "naive_full_vocab_kl", "top1_agreement"]
+from slimspec.model import screen_shortlist
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "full_vocab_kl", "naive_full_vocab_kl", "top1_agreement", "two_level_kl"]
 
 DEFAULT_CHUNK_SIZE = 4096
 """Vocabulary rows per chunk when ``chunk_size`` is None (tuned on a 2-core AVX-512 CPU, scripts/bench_kl.py)."""
@@ -375,3 +378,61 @@ def top1_agreement(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher
         same = student.argmax(-1) == teacher.argmax(-1)
         agree += float((w[a:a + chunk] * same).sum())
     return agree / total
+
+
+def _two_level_chunk(h: Tensor, w_down: Tensor, w_up: Tensor, w_exact: Tensor, hot_ids: Tensor | None,
+                     teacher: Tensor, coef: Tensor, shortlist: int, log_probs: bool) -> Tensor:
+    """sum_t coef_t KL(p_t || q_t) of one token chunk; ``teacher`` [n, V] its logits (or log-probabilities)."""
+    screen = (h @ w_down.T) @ w_up.T
+    ids = screen_shortlist(screen, shortlist, hot_ids)
+    exact = (h @ w_exact.to(h.dtype).T).gather(-1, ids)
+    log_q = torch.log_softmax(screen.scatter(-1, ids, exact), dim=-1)
+    log_p = teacher if log_probs else torch.log_softmax(teacher, dim=-1)
+    p = log_p.exp()
+    return (coef * torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)).sum()
+
+
+def two_level_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, w_exact: Tensor, shortlist: int,
+                 hot_ids: Tensor | None = None, teacher_hidden: Tensor | None = None,
+                 teacher_head: Tensor | None = None, *, weights: Tensor | None = None, token_chunk: int | None = None,
+                 matmul_dtype: torch.dtype | None = None, teacher_logits: Tensor | None = None,
+                 teacher_log_probs: bool = False) -> Tensor:
+    """Mean over tokens of KL(p || q) where q is a screen-and-rescore head's two-level distribution: softmax of the
+    exact logits ``h . W_exact[v]`` on the shortlist (the pair's top ``shortlist`` and ``hot_ids``) and of the pair's
+    ``h W_down^T W_up^T`` elsewhere.
+
+    The teacher and the weights as in :func:`full_vocab_kl`. Gradients reach the pair through the tokens outside the
+    shortlist (the top-K choice is a constant) and ``student_hidden`` through both levels; ``w_exact`` stays
+    constant. Memory: tokens are taken ``token_chunk`` at a time and each chunk's [token_chunk, V] logits are
+    recomputed in the backward (activation checkpointing), so no [T, V] tensor is held. ``matmul_dtype`` is accepted
+    for the caller's symmetry with :func:`full_vocab_kl` and ignored: this loss computes in float32 (float64 inputs
+    in float64).
+    """
+    del matmul_dtype
+    _check(student_hidden, w_down, w_up, teacher_hidden, teacher_head, weights, teacher_logits)
+    if w_exact.shape != (w_up.shape[0], student_hidden.shape[1]):
+        raise ValueError(f"w_exact must be [{w_up.shape[0]}, {student_hidden.shape[1]}], got {list(w_exact.shape)}")
+    teachers = [t for t in (teacher_hidden, teacher_head, teacher_logits) if t is not None]
+    cdtype = _compute_dtype(student_hidden, w_down, w_up, *teachers)
+    tokens, vocab = student_hidden.shape[0], w_up.shape[0]
+    coef, keep = _token_coefficients(weights, tokens, cdtype, student_hidden.device)
+    if keep is not None:
+        student_hidden = student_hidden[keep]
+        teacher_hidden = teacher_hidden[keep] if teacher_logits is None else None
+        teacher_logits = teacher_logits[keep] if teacher_logits is not None else None
+        tokens = keep.numel()
+    total = (student_hidden.sum() * 0 + (w_down.sum() + w_up.sum()) * 0).to(cdtype)
+    # about six [n, V] tensors live per chunk (screen, exact, logits, log q, teacher, p)
+    chunk = token_chunk or max(1, _pick_token_chunk(tokens, vocab, cdtype) // 3)
+    h_all, down, up = student_hidden.to(cdtype), w_down.to(cdtype), w_up.to(cdtype)
+    for a in range(0, tokens, chunk):
+        with torch.no_grad():
+            teacher = (teacher_logits[a:a + chunk].to(cdtype) if teacher_logits is not None else
+                       teacher_hidden[a:a + chunk].to(cdtype) @ teacher_head.to(cdtype).T)
+        args = (h_all[a:a + chunk], down, up, w_exact.detach(), hot_ids, teacher, coef[a:a + chunk], shortlist,
+                teacher_log_probs and teacher_logits is not None)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (h_all, down, up)):
+            total = total + torch.utils.checkpoint.checkpoint(_two_level_chunk, *args, use_reentrant=False)
+        else:
+            total = total + _two_level_chunk(*args)
+    return total

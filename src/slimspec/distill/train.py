@@ -20,6 +20,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,16 +28,20 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from slimspec.convert.factorize import balance_factors
-from slimspec.distill.loss import full_vocab_kl, top1_agreement
+from slimspec.distill.loss import full_vocab_kl, top1_agreement, two_level_kl
 from slimspec.distill.teacher import TeacherData
 from slimspec.distill.teacher_table import table_budget, table_dtype, teacher_table
 from slimspec.errors import OptionError, SlimSpecError
 from slimspec.hardware import resolve_device
-from slimspec.model import Eagle3Drafter, LowRankHead
+from slimspec.model import Eagle3Drafter, LowRankHead, ScreenRescoreHead
 
 TEACHERS = ("target", "drafter")
 """What the head is distilled against: the target's next-token distribution (learns from the target, needs data),
 or the source drafter's own full-rank head on the same states (recovers the original with little data)."""
+
+
+SCREEN_LOSSES = ("two_level", "pair")
+"""How a screen-and-rescore head distils: the KL of its two-level logits, or the plain pair's KL."""
 
 
 @dataclass
@@ -59,6 +64,9 @@ class DistillConfig:
     teacher: str = "target"  # "target": the target's distribution; "drafter": the source drafter's own head
     bf16: bool = False  # mixed precision: backbone under bf16 autocast, KL matmuls in bf16 (sums, softmax in fp32)
     teacher_temperature: float = 1.0  # training KL against softmax(teacher logits / T); held-out KL stays at T = 1
+    # a screen-and-rescore head's loss: "two_level" (KL of its two-level logits: exact on the shortlist, the pair's
+    # elsewhere) or "pair" (the plain pair's full-vocabulary KL, as for a low-rank head)
+    screen_loss: str = "two_level"
 
     def __post_init__(self) -> None:
         # checked here, where every caller builds its config, not after the teacher data is built
@@ -69,6 +77,9 @@ class DistillConfig:
                               "teacher_temperature")
         if self.warmup_steps < 0:
             raise OptionError(f"{{warmup_steps}} must be >= 0, got {self.warmup_steps}", "warmup_steps")
+        if self.screen_loss not in SCREEN_LOSSES:
+            raise OptionError(f"{{screen_loss}} must be one of {', '.join(SCREEN_LOSSES)}, got {self.screen_loss!r}",
+                              "screen_loss")
 
 
 @dataclass
@@ -361,7 +372,8 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
              matmul_dtype: torch.dtype | None = None,
              teacher_temperature: float = 1.0,
              teacher_logits: torch.Tensor | None = None,
-             teacher_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+             teacher_rows: torch.Tensor | None = None,
+             screen_loss: str = "two_level") -> tuple[torch.Tensor, list[float]]:
     """Loss = sum_i decay^i * KL_i (KL_i the weighted mean over tokens) and the per-step KLs.
 
     ``global_weight`` [k] (the weight sums over all ranks) makes the per-rank losses add up to the global one.
@@ -374,8 +386,10 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
     (rows of a :func:`slimspec.distill.teacher_table.teacher_table`); ``teacher_head`` is then not used. With
     ``teacher_rows`` [B], ``teacher_logits`` is the whole table [N, k, V] and row b of the batch is its row
     ``teacher_rows[b]``: only the rows a step keeps are copied out of it.
+    ``screen_loss``: a screen-and-rescore head's loss (``two_level`` or ``pair``, see :class:`DistillConfig`).
     """
     down, up = head_factors(drafter)
+    kl_of = head_kl(drafter, screen_loss)
     total = hidden.new_zeros(())
     per_step = []
     for i in range(hidden.shape[1]):
@@ -393,18 +407,38 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
         if teacher_logits is not None:
             # one gather of only the kept rows (from the whole table where ``teacher_rows`` names them)
             logits = teacher_logits[keep, i] if teacher_rows is None else teacher_logits[teacher_rows[keep], i]
-            kl = full_vocab_kl(hidden[keep, i], down, up, weights=w[keep], matmul_dtype=matmul_dtype,
-                               teacher_logits=logits, teacher_log_probs=True)
+            kl = kl_of(hidden[keep, i], down, up, weights=w[keep], matmul_dtype=matmul_dtype,
+                       teacher_logits=logits, teacher_log_probs=True)
         else:
             th = teacher_hidden(hidden[keep, i], teacher_index[keep, i], teacher, kind, source)
             if teacher_temperature != 1.0:
                 th = th / teacher_temperature
-            kl = full_vocab_kl(hidden[keep, i], down, up, th, teacher_head, weights=w[keep],
-                               matmul_dtype=matmul_dtype)
+            kl = kl_of(hidden[keep, i], down, up, th, teacher_head, weights=w[keep], matmul_dtype=matmul_dtype)
         share = kl * (local / denominator)
         per_step.append(float(share.detach()))
         total = total + (decay ** i) * share
     return total, per_step
+
+
+def head_kl(drafter: Eagle3Drafter, screen_loss: str = "two_level"):
+    """The KL function of the drafter's head, called as :func:`full_vocab_kl`: the two-level KL for a screen-and-rescore
+    head (unless ``screen_loss`` is ``pair``), else the pair's full-vocabulary KL."""
+    head = drafter.lm_head
+    if not isinstance(head, ScreenRescoreHead) or screen_loss == "pair":
+        return full_vocab_kl
+    return partial(_screen_kl, head)
+
+
+def _screen_kl(head: ScreenRescoreHead, h, down, up, *args, **kwargs):
+    return two_level_kl(h, down, up, head.exact, head.shortlist, head.hot_ids, *args, **kwargs)
+
+
+def _screen_top1(head: ScreenRescoreHead, h, down, up, teacher_rows, teacher_head, *, weights):
+    """Weighted share of rows whose greedy screen-and-rescore token is the teacher's argmax."""
+    del down, up
+    w = weights.float()
+    same = head.greedy(h) == (teacher_rows.float() @ teacher_head.float().T).argmax(-1)
+    return float((w * same).sum() / w.sum()) if float(w.sum()) > 0 else float("nan")
 
 
 def _held_out_means(drafter: Eagle3Drafter, features: StudentFeatures, teacher: TeacherData,
@@ -433,7 +467,7 @@ def evaluate_kl(drafter: Eagle3Drafter, features: StudentFeatures, teacher: Teac
                 teacher_head: torch.Tensor, decay: float, batch: int = 4096, kind: str = "target",
                 source: torch.Tensor | None = None) -> tuple[float, list[float]]:
     """Weighted-mean KL per TTT step over ``features`` and the decayed sum (the training loss)."""
-    per_step = _held_out_means(drafter, features, teacher, teacher_head, full_vocab_kl, batch, kind, source)
+    per_step = _held_out_means(drafter, features, teacher, teacher_head, head_kl(drafter), batch, kind, source)
     loss = sum((decay ** i) * v for i, v in enumerate(per_step) if not math.isnan(v))
     return loss, per_step
 
@@ -444,7 +478,9 @@ def evaluate_top1(drafter: Eagle3Drafter, features: StudentFeatures, teacher: Te
                   source: torch.Tensor | None = None) -> list[float]:
     """Per TTT step, the weighted share of ``features``' rows whose student argmax is the teacher's
     (:func:`slimspec.distill.loss.top1_agreement`; NaN for a step without weight)."""
-    return _held_out_means(drafter, features, teacher, teacher_head, top1_agreement, batch, kind, source)
+    head = drafter.lm_head
+    metric = partial(_screen_top1, head) if isinstance(head, ScreenRescoreHead) else top1_agreement
+    return _held_out_means(drafter, features, teacher, teacher_head, metric, batch, kind, source)
 
 
 def frozen_teacher_table(features: StudentFeatures, teacher: TeacherData, teacher_head: torch.Tensor, kind: str,
@@ -749,7 +785,7 @@ def _train_step(state: _Training, step: int, rank: int, world: int) -> tuple[flo
                               cfg.decay, global_weight, kind=state.spec.kind, source=state.spec.source,
                               matmul_dtype=torch.bfloat16 if cfg.bf16 else None,
                               teacher_temperature=cfg.teacher_temperature,
-                              teacher_logits=logits, teacher_rows=table_rows)
+                              teacher_logits=logits, teacher_rows=table_rows, screen_loss=cfg.screen_loss)
     if loss.requires_grad:  # a batch without weighted rows (this rank's, or all) gives a constant: no gradient
         loss.backward()
     for p in params:
