@@ -31,6 +31,9 @@ class Spec:
     layers: int = 1  # decoder layers; layers 1.. are written as layers.{i}.* (speculators' and vLLM's names)
     parallel_token: int | None = None  # a P-EAGLE drafter: mask_hidden and its mask-slot token
     attention_bias: bool = False  # q/k/v biases in every layer, o_proj's too in Llama-style ones (vLLM's set)
+    # sliding-window attention: the layer config's layer_types (default: every layer sliding) and window
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
     sharded: bool = False
     seed: int = 0
     extra_config: dict = field(default_factory=dict)
@@ -124,6 +127,9 @@ def _llama_config(spec: Spec) -> dict:
     }
     if spec.attention_bias:
         cfg["attention_bias"] = True
+    if spec.sliding_window:  # as speculators' trainer writes it (use_sliding_window: Qwen3Config needs it)
+        cfg.update(layer_types=spec.layer_types or ["sliding_attention"] * spec.layers,
+                   sliding_window=spec.sliding_window, use_sliding_window=True)
     if spec.head_dim:
         cfg["head_dim"] = spec.head_dim
     return cfg

@@ -61,6 +61,8 @@ def _speculators_model(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], emb
         vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps, hidden_act=cfg.hidden_act,
         num_hidden_layers=cfg.num_layers, max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope,
         attention_bias=cfg.attention_bias,
+        **({"layer_types": cfg.layer_types, "sliding_window": cfg.sliding_window, "use_sliding_window": True}
+           if cfg.layer_types else {}),
     )
     layer._attn_implementation = "eager"
     config = Eagle3SpeculatorConfig(
@@ -169,3 +171,34 @@ def test_one_based_positions_agree(tmp_path):
         our_h = ours.ttt_forward(ids, aux, 2)
     for i in range(2):
         torch.testing.assert_close(our_h[i][:, :8 - i], their_h[i][:, :8 - i], rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("qwen3", [False, True])
+def test_sliding_window_matches_speculators_where_its_mask_is_vllms(tmp_path, qwen3):
+    """Catches a window on the wrong layer or off by one against speculators' own sliding-window model (layer_types
+    and sliding_window in its layer config; a window of 4 on the first of two layers): step 0 agrees at every
+    position. speculators' later TTT steps keep the step-0 window at t-3..t where vLLM's cache, and ours, count back
+    from the query's position t+i, so they are compared where both windows reach position 0 (t < 4 - i), and they
+    must differ past that (the window is vLLM's, not speculators' training mask)."""
+    spec = Spec(qwen3=qwen3, layers=2, head_dim=16 if qwen3 else None, sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"])
+    ours, theirs, cfg = _pair(tmp_path, "speculators", spec, None, None)
+    assert cfg.layer_types == ["sliding_attention", "full_attention"] and cfg.sliding_window == 4
+    T, steps = 12, 3
+    ids, aux = _data(cfg, T, steps)
+    their_h, their_logits = _run_speculators(theirs, ids, aux, steps, torch.arange(T)[None])
+    with torch.no_grad():
+        our_h = ours.ttt_forward(ids, aux, steps)
+        our_logits = [ours.logits(h) for h in our_h]
+        unwindowed = Eagle3Drafter.from_checkpoint(
+            dataclasses.replace(load_drafter(tmp_path / "d"), config=dataclasses.replace(
+                cfg, layer_types=None, sliding_window=None)), embed_weight=ours.embed_weight.float(),
+            head=ours.lm_head).ttt_forward(ids, aux, 1)[0]
+    torch.testing.assert_close(our_h[0], their_h[0], rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(our_logits[0], their_logits[0], rtol=1e-4, atol=2e-5)
+    assert not torch.allclose(unwindowed[:, 4:], our_h[0][:, 4:], rtol=1e-3, atol=1e-3)  # the window cuts there
+    for i in range(1, steps):
+        agree = 4 - i
+        torch.testing.assert_close(our_h[i][:, :agree], their_h[i][:, :agree], rtol=1e-4, atol=2e-5,
+                                   msg=f"step {i}")
+        assert not torch.allclose(our_h[i][:, agree:T - i], their_h[i][:, agree:T - i], rtol=1e-3, atol=1e-3)
