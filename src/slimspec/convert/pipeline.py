@@ -12,13 +12,13 @@ import safetensors
 import torch
 
 from slimspec import __version__
-from slimspec.checkpoint.drafter import LOWRANK_DOWN, DrafterCheckpoint, load_drafter
+from slimspec.checkpoint.drafter import LOWRANK_DOWN, SCREEN_EXACT, SCREEN_HOT_IDS, DrafterCheckpoint, load_drafter
 from slimspec.checkpoint.files import sha256_file, weight_map
 from slimspec.checkpoint.target import TargetHead
 from slimspec.errors import CheckpointError, OptionError, SlimSpecError
 
 VocabMode = Literal["full", "draft"]
-NOT_CARRIED = ("lm_head.weight", LOWRANK_DOWN, "d2t", "t2d")
+NOT_CARRIED = ("lm_head.weight", LOWRANK_DOWN, SCREEN_EXACT, SCREEN_HOT_IDS, "d2t", "t2d")
 
 
 @dataclass
@@ -155,12 +155,18 @@ def head_file_hash(target: TargetHead) -> dict[str, str] | None:
 
 
 def lowrank_tensors(ckpt: DrafterCheckpoint, w_up: torch.Tensor, w_down: torch.Tensor, d2t: torch.Tensor | None,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The output's tensors: the source's (float ones in ``dtype``) with its head replaced by the pair."""
+                    dtype: torch.dtype, exact: torch.Tensor | None = None, hot_ids: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """The output's tensors: the source's (float ones in ``dtype``) with its head replaced by the pair (and, for a
+    screen-and-rescore head, the ``exact`` rows and the ``hot_ids``)."""
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ckpt.tensors.items()
                if k not in NOT_CARRIED}
     tensors["lm_head.weight"] = w_up.to(dtype)
     tensors[LOWRANK_DOWN] = w_down.to(dtype)
+    if exact is not None:
+        tensors[SCREEN_EXACT] = exact.to(dtype)
+        if hot_ids is not None and hot_ids.numel():
+            tensors[SCREEN_HOT_IDS] = hot_ids.long()
     if d2t is not None:
         tensors["d2t"] = d2t
     return tensors

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from slimspec.checkpoint.drafter import LOWRANK_DOWN, DrafterCheckpoint, load_drafter
+from slimspec.checkpoint.drafter import LOWRANK_DOWN, SCREEN_EXACT, SCREEN_HOT_IDS, DrafterCheckpoint, load_drafter
 from slimspec.checkpoint.files import read_json
 from slimspec.checkpoint.target_model import TargetParts, aux_layers_for, load_target_parts, target_of
 from slimspec.checkpoint.writer import NOT_DISTILLED_NOTE, atomic_folder, check_output_free, save_tensors, write_json
@@ -33,7 +33,7 @@ from slimspec.distill.train import (
 from slimspec.errors import OptionError, SlimSpecError
 from slimspec.hardware import default_generation_dtype
 from slimspec.hub import resolve_model
-from slimspec.model import Eagle3Drafter, LowRankHead, drafter_model
+from slimspec.model import Eagle3Drafter, LowRankHead, ScreenRescoreHead, drafter_model
 from slimspec.prompts import load_prompts
 
 
@@ -229,7 +229,8 @@ def write_distilled(source: Path, ckpt: DrafterCheckpoint, drafter: Eagle3Drafte
 def lowrank_checkpoint(ckpt: DrafterCheckpoint, w_up: torch.Tensor, w_down: torch.Tensor,
                        d2t: torch.Tensor | None) -> DrafterCheckpoint:
     """``ckpt`` with its head replaced by the pair (and the draft vocab resized to the pair's rows)."""
-    tensors = {k: v for k, v in ckpt.tensors.items() if k not in ("lm_head.weight", LOWRANK_DOWN, "d2t", "t2d")}
+    tensors = {k: v for k, v in ckpt.tensors.items()
+               if k not in ("lm_head.weight", LOWRANK_DOWN, SCREEN_EXACT, SCREEN_HOT_IDS, "d2t", "t2d")}
     tensors["lm_head.weight"], tensors[LOWRANK_DOWN] = w_up, w_down
     if d2t is not None:
         tensors["d2t"] = d2t
@@ -255,6 +256,15 @@ def init_and_distill(
     ckpt: DrafterCheckpoint,
     weight: torch.Tensor,
     rank: int,
+def hot_rows_of(ckpt: DrafterCheckpoint, teacher: TeacherData, rows: int, count: int) -> torch.Tensor:
+    """The ``count`` head rows (sorted) whose tokens are most frequent in the teacher data's answers (ties: the lower
+    row); a head of one row per target token in target order, else in draft order."""
+    targets = torch.arange(rows) if rows == ckpt.config.vocab_size else ckpt.draft_to_target_ids()
+    counts = torch.bincount(teacher.response_ids().long(), minlength=ckpt.config.vocab_size).double()[targets]
+    order = torch.argsort(-(counts - torch.arange(rows, dtype=torch.float64) * 1e-9))
+    return torch.sort(order[:count]).values
+
+
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     d2t: torch.Tensor | None,
@@ -267,7 +277,9 @@ def init_and_distill(
     """Step-0 KL of the SVD and whitened starts side by side, pick ``init``, then ``cfg.steps`` of distillation.
 
     The drafter's features, the KLs and the steps run on ``options.device`` (auto: a CUDA GPU when there is one).
-    Returns the final factors (on the CPU) and a report (KL per start, distillation summary).
+    Returns the final factors (on the CPU) and a report (KL per start, distillation summary). ``screen`` (K, N): the
+    pair screens for a screen-and-rescore head whose exact rows are ``weight``, rescoring its top K and the N draft
+    tokens most frequent in the teacher data's answers (the report's ``hot_ids``); KLs and top-1 are the head's.
     """
     device = training_device(options.device)
     teacher = teacher_for(ckpt, target, options, progress)
@@ -282,9 +294,10 @@ def init_and_distill(
     if init == "whitened":
         cov = activation_covariance(student_features(drafter, teacher, train_idx, cfg.ttt_steps))
         starts["whitened"] = tuple(t.float() for t in factorize_whitened(weight.float(), rank, cov))
+    screen: tuple[int, int] | None = None,
     report["init_kl"] = {}
     for name, (up, down) in starts.items():
-        drafter.lm_head = LowRankHead(up.clone(), down.clone()).to(device)
+        drafter.lm_head = make_head(up, down)
         loss, per_step = evaluate_kl(drafter, eval_features, teacher, teacher_head, cfg.decay, kind=cfg.teacher)
         top1 = evaluate_top1(drafter, eval_features, teacher, teacher_head, kind=cfg.teacher)
         report["init_kl"][name] = {"step0_kl": finite_or_none(per_step[0]), "ttt_loss": loss,
@@ -293,10 +306,19 @@ def init_and_distill(
     if init not in starts:
         raise OptionError(f"{{init}} must be 'svd' or 'whitened', got {init!r}", "init")
     up, down = starts[init]
-    drafter.lm_head = LowRankHead(up.clone(), down.clone()).to(device)
+    drafter.lm_head = make_head(up, down)
     report["init"] = init
     if cfg.steps > 0:
         result = train_drafter(drafter, teacher, teacher_head, cfg, progress=progress)
         report["distill"] = {**result.summary(), "data": asdict(options)}
     head = drafter.lm_head
     return head.weight_up.detach().cpu(), head.weight_down.detach().cpu(), report
+    hot = hot_rows_of(ckpt, teacher, weight.shape[0], screen[1]) if screen else None
+
+    def make_head(up: torch.Tensor, down: torch.Tensor) -> LowRankHead:
+        if screen is None:
+            return LowRankHead(up.clone(), down.clone()).to(device)
+        return ScreenRescoreHead(up.clone(), down.clone(), weight.float(), screen[0], hot).to(device)
+
+    if hot is not None:
+        report["hot_ids"] = hot.tolist()

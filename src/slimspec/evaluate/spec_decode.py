@@ -128,9 +128,10 @@ class SpeculativeDecoder:
                 h = torch.cat([h, slots], dim=1)
             drafts = []
             chain_cache = dcache
-            for j in range(self.k):  # the argmax at every temperature, as vLLM drafts by default
-                logit = drafter.logits(h[:, j:j + 1] if parallel else h)[0, -1]
-                d = int(drafter.draft_to_target(logit.argmax().view(1)))
+            for j in range(self.k):  # the greedy token at every temperature, as vLLM drafts by default (a
+                # screen-and-rescore head's is the exact argmax over its shortlist)
+                best = drafter.draft_ids(h[:, j:j + 1] if parallel else h)[0, -1]
+                d = int(drafter.draft_to_target(best.view(1)))
                 drafts.append(d)
                 if j + 1 < self.k and not parallel:
                     h, chain_cache = drafter(input_ids=torch.tensor([[d]], device=device),

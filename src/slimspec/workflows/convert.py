@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from slimspec import embedded
-from slimspec.checkpoint.drafter import LOWRANK_DOWN, DrafterCheckpoint, load_drafter
+from slimspec.checkpoint.drafter import LOWRANK_DOWN, SCREEN_HEAD, DrafterCheckpoint, load_drafter
 from slimspec.checkpoint.known import known_target
 from slimspec.checkpoint.target import TargetHead, load_target_head
 from slimspec.checkpoint.target_model import load_target_parts
@@ -44,9 +44,9 @@ from slimspec.convert.rank import energy_curve, parse_rank
 from slimspec.distill.pipeline import DataOptions, init_and_distill
 from slimspec.distill.train import DistillConfig
 from slimspec.dtypes import dtype_name, torch_dtype
-from slimspec.errors import SlimSpecError, SlimSpecWarning
+from slimspec.errors import OptionError, SlimSpecError, SlimSpecWarning
 from slimspec.hub import resolve_model
-from slimspec.model import check_buildable
+from slimspec.model import check_buildable, screen_cost
 from slimspec.progress import Stages
 from slimspec.workflows.job import ConvertJob
 from slimspec.workflows.recipes import BRIEF_TEACHER, BRIEF_VOCAB, brief_distillation
@@ -126,6 +126,7 @@ def run_conversion(job: ConvertJob) -> ConvertResult:
     if job.reads_data:
         w_up, w_down, distill_report = _calibrate_and_distil(job, inputs, weight, r, w_up, w_down, d2t, stages)
     energy = {name: float(energy_curve(spectra[name])[r - 1]) for name in ("s2", "s2_centered")}
+    _check_screen_fits(job, weight.shape[0])
     out_dtype = output_dtype(job.dtype, ckpt)
     report = conversion_report(
         job, inputs, weight=weight, rank=r, rows_from_drafter=rows_from_drafter, source_rank=source_rank,
@@ -134,13 +135,16 @@ def run_conversion(job: ConvertJob) -> ConvertResult:
         out_dtype=out_dtype, init=job.resolved_init)
     report.update(distill_report or {})
     report.update(job.extra_report)
-    tensors = lowrank_tensors(ckpt, w_up, w_down, d2t, out_dtype)
+    tensors = lowrank_tensors(ckpt, w_up, w_down, d2t, out_dtype, exact=weight if job.shortlist else None,
+                              hot_ids=hot_ids)
     config = conversion_config(job, inputs, r, weight.shape[0], out_dtype)
     _write(job, inputs, out, tensors, config, weight, report, stages, started)
-    stages.say(f"wrote {out} (rank {r}, energy kept {energy['s2']:.4f}, "
+    screen = f", screen and rescore top {job.shortlist}" + (f" + {job.hot_rows} hot" if job.hot_rows else "")
+    stages.say(f"wrote {out} (rank {r}{screen if job.shortlist else ''}, energy kept {energy['s2']:.4f}, "
                f"head FLOP ratio {report['head_flop_ratio']:.3f})")
     return ConvertResult(out=out, rank=r, report=report)
 
+    hot_ids = torch.tensor((distill_report or {}).pop("hot_ids", []), dtype=torch.long)
 
 def read_inputs(job: ConvertJob, stages: Stages) -> ConversionInputs:
     """Resolve and read the drafter, then the target its head needs (the given one, else the one it names, else the
@@ -149,6 +153,10 @@ def read_inputs(job: ConvertJob, stages: Stages) -> ConversionInputs:
         drafter_path = resolve_model(job.drafter, "drafter", job.revision)
         ckpt = load_drafter(drafter_path)
     if job.out is not None:
+    if job.shortlist:
+        report["screen"] = screen_report(job, r, *weight.shape, out_dtype)
+        report["head_params"] += weight.numel()
+        report["head_flop_ratio"] = report["screen"]["multiply_add_share"]
         check_not_the_source(job.out, drafter_path)
     ckpt.warn_unknown_dropped(job.drafter)
     if job.reads_data:  # both build the PyTorch drafter: refuse one it cannot build now
@@ -189,7 +197,7 @@ def _rank_and_output(job: ConvertJob, inputs: ConversionInputs, weight: torch.Te
     r = None if needs_spectrum else parse_rank(job.rank, hidden)
     out = job.out
     if out is None and r is not None:
-        out = Path(f"{model_name(job.drafter)}-slimspec-r{r}")
+        out = default_out(job, r)
         check_output_free(out, job.overwrite)
         check_not_the_source(out, inputs.drafter_path, inputs.target_path)
     with stages.stage("gram", f"Gram matrix of the {weight.shape[0]}x{hidden} head"):
@@ -200,7 +208,7 @@ def _rank_and_output(job: ConvertJob, inputs: ConversionInputs, weight: torch.Te
     if r is None:
         r = parse_rank(job.rank, hidden, spectra["s2"])
         if out is None:
-            out = Path(f"{model_name(job.drafter)}-slimspec-r{r}")
+            out = default_out(job, r)
         check_output_free(out, job.overwrite)
     return r, Path(out), spectra
 
@@ -223,12 +231,38 @@ def _calibrate_and_distil(job: ConvertJob, inputs: ConversionInputs, weight: tor
     """The whitened start (from calibration data) and ``distill_steps`` of distillation against the target."""
     if inputs.target is None:
         raise SlimSpecError("a whitened start and distillation steps need a target")
+def default_out(job: ConvertJob, rank: int) -> Path:
+    """``./<drafter>-slimspec-r<r>`` (``-k<K>`` and ``-n<N>`` added for a screen-and-rescore head)."""
+    screen = (f"-k{job.shortlist}" if job.shortlist else "") + (f"-n{job.hot_rows}" if job.hot_rows else "")
+    return Path(f"{model_name(job.drafter)}-slimspec-r{rank}{screen}")
+
+
+def _check_screen_fits(job: ConvertJob, rows: int) -> None:
+    """A shortlist (and hot rows) no larger than the head's vocabulary."""
+    if job.shortlist + job.hot_rows > rows:
+        raise OptionError(f"{{shortlist}} {job.shortlist} + {{hot_rows}} {job.hot_rows} exceed the head's {rows} "
+                          "tokens", "shortlist", "hot_rows")
+
+
+def screen_report(job: ConvertJob, rank: int, rows: int, hidden: int, out_dtype: torch.dtype) -> dict[str, Any]:
+    """What a screen-and-rescore head costs: its multiply-add share of the full head, its size (the pair and the
+    exact rows it keeps), and the head bytes read per draft step at batch 1 and 64 (the pair, then at most the
+    distinct exact rows the batch rescores)."""
+    width = torch.empty((), dtype=out_dtype).element_size()
+    pair, scored = rank * (rows + hidden), job.shortlist + job.hot_rows
+    return {"shortlist": job.shortlist, "hot_rows": job.hot_rows,
+            "multiply_add_share": screen_cost(rows, hidden, rank, job.shortlist, job.hot_rows),
+            "head_bytes": (pair + rows * hidden) * width,
+            "bytes_read_per_step": {str(b): (pair + min(rows, b * scored) * hidden) * width for b in (1, 64)},
+            "full_head_bytes_read_per_step": rows * hidden * width}
+
+
     init, steps = job.resolved_init, job.distill_steps
     config = replace(job.distill_config, steps=steps)
     with stages.stage("distill", f"calibration ({init} init) and {steps} distillation steps"):
         return init_and_distill(inputs.ckpt, weight, r, w_up, w_down, d2t,
                                 load_target_parts(inputs.target, inputs.target_revision), job.data_options, config,
-                                init, job.progress)
+                                init, job.progress, screen=(job.shortlist, job.hot_rows) if job.shortlist else None)
 
 
 def output_dtype(dtype: str | torch.dtype | None, ckpt: DrafterCheckpoint) -> torch.dtype:
@@ -334,3 +368,5 @@ def convert_briefly(drafter: str | Path, target: str | Path | None, rank: str | 
         options = replace(options, generation_dtype="float32")
     return convert_drafter(drafter, target, rank, vocab=vocab, out=out, overwrite=overwrite, progress=progress,
                            distill_steps=config.steps, data_options=options, distill_config=config)
+    if job.shortlist:
+        meta.update({"head": SCREEN_HEAD, "shortlist": job.shortlist, "hot_rows": job.hot_rows})

@@ -1,0 +1,79 @@
+"""`slimspec convert --shortlist` on a tiny drafter: the written screen-and-rescore checkpoint and its refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from slimspec.checkpoint.drafter import load_drafter
+from slimspec.cli import main
+from slimspec.model import Eagle3Drafter, ScreenRescoreHead
+from tests.layouts import Spec, write_drafter, write_target
+
+
+def _convert(tmp_path, *extra):
+    return CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tmp_path / "t"), "--vocab", "draft",
+                                     "--distill-steps", "0", "-r", "4", "-o", str(tmp_path / "o"), "--json", "-q",
+                                     *extra])
+
+
+def test_convert_writes_a_screen_head_that_reads_back(tmp_path):
+    """Catches the exact rows, the shortlist or the config keys lost on the way to the folder (a plain pair served),
+    exact rows in the wrong (target instead of draft) order, and a report without the head's cost and bytes."""
+    written = write_drafter(tmp_path / "d", "modelopt", Spec())  # frequency-ordered draft vocab with d2t
+    write_target(tmp_path / "t")
+    result = _convert(tmp_path, "--shortlist", "9")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    v, d, r = 97, 32, 4
+    assert report["screen"]["multiply_add_share"] == pytest.approx((r * (v + d) + 9 * d) / (v * d))
+    assert report["screen"]["bytes_read_per_step"]["1"] == (r * (v + d) + 9 * d) * 4
+    assert report["screen"]["bytes_read_per_step"]["64"] == (r * (v + d) + v * d) * 4
+    config = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert config["slimspec"] | {"head": "screen_rescore", "shortlist": 9, "hot_rows": 0} == config["slimspec"]
+    with safe_open(str(tmp_path / "o" / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("lm_head_exact.weight"), written["lm_head.weight"])
+        assert "lm_head_hot_ids" not in f.keys()
+    ckpt = load_drafter(tmp_path / "o")
+    assert ckpt.is_screen and ckpt.shortlist == 9 and ckpt.rank == r
+    model = Eagle3Drafter.from_checkpoint(ckpt, embed_weight=torch.randn(301, d))
+    assert isinstance(model.lm_head, ScreenRescoreHead) and model.lm_head.shortlist == 9
+    h = torch.randn(5, d)
+    exact = model.lm_head.greedy(h)
+    full = (h @ written["lm_head.weight"].float().T)
+    shortlist = model.lm_head.shortlist_ids(model.lm_head.screen(h))
+    assert torch.equal(exact, shortlist.gather(1, full.gather(1, shortlist).argmax(1, keepdim=True))[:, 0])
+    assert torch.equal(model.canonical_state_dict()["lm_head_exact.weight"], written["lm_head.weight"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--shortlist", "98"), "exceed the head's 97 tokens"),
+    (("--hot-rows", "3"), "give --shortlist K too"),
+    (("--shortlist", "5", "--vocab", "full"), "use --vocab draft"),
+    (("--shortlist", "5", "--hot-rows", "2"), "--hot-rows are the tokens most frequent"),
+])
+def test_screen_options_refused(tmp_path, args, message):
+    """Catches a shortlist larger than the vocabulary, hot rows without a shortlist or without data to rank them,
+    and a screen over the target's whole vocabulary, accepted (and failing late or silently)."""
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    write_target(tmp_path / "t")
+    result = _convert(tmp_path, *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_a_screen_checkpoint_without_its_config_keys_is_refused(tmp_path):
+    """Catches a folder whose exact rows lack the shortlist in config.json being read as a plain pair."""
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    write_target(tmp_path / "t")
+    assert _convert(tmp_path, "--shortlist", "9").exit_code == 0
+    config_path = tmp_path / "o" / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["slimspec"]["shortlist"]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(Exception, match="shortlist"):
+        load_drafter(tmp_path / "o")
