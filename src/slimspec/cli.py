@@ -32,10 +32,10 @@ from slimspec.workflows import convert as conversion
 from slimspec.workflows import publish
 from slimspec.workflows.batch import plan_batch, run_batch
 from slimspec.workflows.bench import HeadShape, bench_head, checkpoint_head, kappa_and_speedup
-from slimspec.workflows.job import conversion_job, data_options_from, distill_config_from
+from slimspec.workflows.job import ConvertJob, conversion_job, data_options_from, distill_config_from
 from slimspec.workflows.plan import conversion_plan
 from slimspec.workflows.plane import build_plane, convert_rank_auto
-from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_command
+from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_command, default_note
 
 
 class FiniteFloat(click.FloatRange):
@@ -131,7 +131,22 @@ def data_options(func):
                      help="Where the target computes the teacher data (answers and features) and the head is "
                           "distilled: auto ($SLIMSPEC_DEVICE if set, else a CUDA GPU when PyTorch sees one, else the "
                           "CPU), cpu, cuda or cuda:N. The data is cached on the CPU; the static engine is CPU-only "
-                          "(on a GPU, generate does the work); torchrun runs distil on the CPU."),
+                          "(on a GPU, generate does the work); torchrun runs distil on the CPU. auto also shards a "
+                          "target too large for the first GPU (or the CPU) over every visible GPU, then the CPU, then "
+                          "disk; cpu and cuda:N keep it whole there."),
+        click.option("--max-memory", metavar="BUDGETS",
+                     help="Shard the target (accelerate device_map=auto) within these budgets, e.g. "
+                          "cuda:0=70GiB,cuda:1=70GiB,cpu=100GiB (a GPU as N or cuda:N; B, MB/GB or MiB/GiB); the "
+                          "weights beyond them go to --offload-folder. Answers and features come out the same."),
+        click.option("--offload-folder", type=click.Path(file_okay=False, path_type=Path),
+                     help="Where a sharded target's weights beyond the memory budgets go [default: a folder of the "
+                          "slimspec cache, removed after use]."),
+        click.option("--feature-dtype", type=click.Choice(choices.FEATURE_DTYPES), default="auto",
+                     show_default=True,
+                     help="dtype of the target copy the teacher features are read from (transformers engine; the "
+                          "static engine reads them from the answering copy). auto: float32 where a float32 copy "
+                          "fits the devices and host memory the target may use, else the target's own 16-bit dtype "
+                          "(docs/distillation.md, \"Targets beyond one device\": the error it brings)."),
         click.option("--aux-layers", help="Target hidden-state indices feeding fc, e.g. 2,15,27 (default: the "
                      "drafter's config, else EAGLE-3's {2, L//2, L-3})."),
         click.option("--aux-convention", type=click.Choice(["input", "output"]),
@@ -189,15 +204,16 @@ def flag(option: str) -> str:
     return "--" + option.replace("_", "-")
 
 
-RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "overwrite", "distill_steps", "num_prompts",
-                     "push_to", "as_json", "quiet", "device"}
+RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "overwrite", "distill_steps", "no_distill",
+                     "num_prompts", "push_to", "as_json", "quiet", "device"}
 """The convert options --rank auto honours; it refuses the others rather than ignore them."""
 
 
 @main.command()
 @click.argument("drafter")
 @click.option("--target", "-t", help="Target model the drafter serves (Hub id, folder or embedded: name). Needed by "
-              "--vocab full, --init whitened and --distill-steps [default: the target the drafter names].")
+              "--vocab full and by distillation (the default) [default: the target the drafter names, else the one "
+              "SlimSpec's table of published drafters lists].")
 @click.option("--rank", "-r", default="d/8", show_default=True,
               help="d/N, an integer, energy:F (smallest r keeping share F of the head's squared singular values), "
                    "or auto (measure nu and tau at d/4..d/32, each briefly distilled with --distill-steps [60] on "
@@ -220,12 +236,22 @@ RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "over
               help="svd: optimal for ||W - W_up W_down||; whitened: optimal for ||(W - W_up W_down) X|| over the "
                    "drafter's real activations X (needs the target and calibration data); auto: whitened when "
                    "--distill-steps > 0 (half the starting KL on the reference drafter), else svd.")
-@click.option("--distill-steps", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Then distil the pair for N steps under full-vocabulary KL (against --teacher).")
+@click.option("--distill-steps", type=click.IntRange(min=0),
+              help="Then distil the pair for N steps under full-vocabulary KL (against --teacher); 0: the plain SVD "
+                   "head, not distilled [default: --recipe brief's 200 steps; --rank auto: 60].")
+@click.option("--no-distill", is_flag=True, help="The plain SVD head, not distilled: --distill-steps 0.")
+@click.option("--shortlist", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Screen and rescore (--vocab draft): the pair scores every draft token, the drafter's own head "
+                   "rows rescore its top K, and the draft is the exact argmax over them; the checkpoint keeps those "
+                   "rows beside the pair. 0: the plain pair.")
+@click.option("--hot-rows", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --shortlist: also rescore the N draft tokens most frequent in the target's answers to the "
+                   "calibration prompts, always.")
 @click.option("--recipe", type=click.Choice(choices.RECIPES),
-              help="brief: the demo's brief distillation for every option not given (--vocab draft, 200 steps "
-                   "against the drafter's own head on the shipped calibration prompts' 64-token answers, lr 5e-3; "
-                   "0.90 of tau kept at d/8 on the embedded drafter); options given here override it.")
+              help="brief (the default when neither --recipe nor --distill-steps is given): the demo's brief "
+                   "distillation for every option not given (--vocab draft, 200 steps against the drafter's own "
+                   "head on the shipped calibration prompts' 64-token answers, lr 5e-3; 0.90 of tau kept at d/8 on "
+                   "the embedded drafter, against 0.61 undistilled); options given here override it.")
 @data_options
 @click.option("--push-to", help="After a successful conversion, push the folder to this Hub repo id.")
 @click.option("--dry-run", is_flag=True,
@@ -236,17 +262,25 @@ RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "over
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines on stderr.")
 def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path | None, dtype: str | None,
             overwrite: bool, revision: str | None, target_revision: str | None, stitch: str, init: str,
-            distill_steps: int, push_to: str | None, as_json: bool, quiet: bool, kappa: float, recipe: str | None,
-            dry_run: bool, **kw) -> None:
-    """Replace DRAFTER's LM head by an SVD-initialised low-rank pair and write a vLLM-ready folder.
+            distill_steps: int | None, no_distill: bool, push_to: str | None, as_json: bool, quiet: bool,
+            kappa: float, recipe: str | None, dry_run: bool, **kw) -> None:
+    """Replace DRAFTER's LM head by a low-rank pair, distil it briefly, and write a vLLM-ready folder.
+
+    By default the pair starts from the head's SVD (whitened on the drafter's activations) and is distilled with
+    --recipe brief: the target answers the shipped calibration prompts, and the pair learns the drafter's own
+    head on those states for 200 steps (docs/distillation.md; on an 8B drafter see BENCHMARKS.md for the time).
+    --distill-steps 0 (or --no-distill) writes the plain SVD head at once, which can lose much of the drafter's
+    acceptance.
 
     \b
     Example:
-      slimspec convert yuhuili/EAGLE3-LLaMA3.1-Instruct-8B \\
-          --target meta-llama/Llama-3.1-8B-Instruct --rank d/8
+      slimspec convert yuhuili/EAGLE3-LLaMA3.1-Instruct-8B --rank d/8
     """
     ctx = click.get_current_context()
-    given = {p.name for p in _given_options(ctx, lambda name: True)}
+    given = {p.name for p in _given_options(ctx, lambda name: True)} - {"no_distill"}
+    distill_steps = _no_distill(distill_steps, no_distill, recipe)
+    if no_distill:
+        given.add("distill_steps")
     if kw.get("aux_layers"):
         kw["aux_layers"] = _int_list(kw["aux_layers"], "--aux-layers")
     options = {**kw, "drafter": drafter, "target": target, "rank": rank, "vocab": vocab, "out": out, "dtype": dtype,
@@ -257,24 +291,20 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
     if dry_run:
         if rank == "auto":
             raise click.UsageError("--dry-run plans one conversion; --rank auto measures several")
-        job = conversion_job(options, given - {"dry_run"}, progress=not quiet)
-        job.validate()
-        plan = conversion_plan(job)
+        plan = conversion_plan(_convert_job(options, given - {"dry_run"}, quiet))
         click.echo(json.dumps(plan.report) if as_json else plan.text())
         plan.check()
         return
     if rank == "auto":
         result = _convert_rank_auto(ctx, options, kappa, quiet)
     else:
-        job = conversion_job(options, given, progress=not quiet)
-        job.validate()
-        result = conversion.run_conversion(job)
+        result = conversion.run_conversion(_convert_job(options, given, quiet))
     report = {"out": str(result.out), **result.report}
     if "distill" not in report:
-        warnings.warn(f"{result.out} is not distilled: a conversion without --distill-steps can lose most of the "
-                      f"drafter's acceptance ({UNDISTILLED_EXAMPLE}). The demo's brief distillation: add "
-                      f"--recipe brief, that is {brief_command(drafter, str(result.rank))}", SlimSpecWarning,
-                      stacklevel=1)
+        warnings.warn(f"{result.out} is not distilled (--distill-steps 0): an undistilled pair can lose most of the "
+                      f"drafter's acceptance ({UNDISTILLED_EXAMPLE}). Without --distill-steps, convert distils with "
+                      f"the demo's brief recipe, that is {brief_command(drafter, str(result.rank))}",
+                      SlimSpecWarning, stacklevel=1)
     if push_to:
         try:
             plan = publish.push(result.out, push_to)
@@ -290,6 +320,27 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
         click.echo(f"pushed to {report['pushed_to']}")
 
 
+def _convert_job(options: dict, given: set[str], quiet: bool) -> ConvertJob:
+    """The validated job of convert's options; one line on stderr when it distils by default."""
+    job = conversion_job(options, given, progress=not quiet)
+    job.validate()
+    if job.distils_by_default and not quiet:
+        click.echo(f"[slimspec] {default_note('--distill-steps 0', '--recipe brief')}", err=True)
+    return job
+
+
+def _no_distill(distill_steps: int | None, no_distill: bool, recipe: str | None) -> int | None:
+    """``--distill-steps`` once ``--no-distill`` (its 0) is folded in; the two, or it and a recipe, contradicting
+    each other are refused."""
+    if not no_distill:
+        return distill_steps
+    if distill_steps:
+        raise click.UsageError(f"--no-distill and --distill-steps {distill_steps} contradict each other; give one")
+    if recipe is not None:
+        raise click.UsageError(f"--no-distill and --recipe {recipe} contradict each other; give one")
+    return 0
+
+
 def _convert_rank_auto(ctx: click.Context, options: dict, kappa: float, quiet: bool) -> ConvertResult:
     """``--rank auto``: the plane's own recipe at each candidate rank; options it would ignore are refused."""
     fixed = [p.opts[0] for p in _given_options(ctx, lambda name: name not in RANK_AUTO_OPTIONS)]
@@ -302,7 +353,7 @@ def _convert_rank_auto(ctx: click.Context, options: dict, kappa: float, quiet: b
     target = options["target"] or target_of(drafter)
     out = options["out"] or Path(f"{model_name(drafter)}-slimspec-auto")
     convert_rank_auto(drafter, target, out, kappa=kappa, vocab=options["vocab"],
-                      distill_steps=options["distill_steps"] if _given(ctx, "distill_steps") else 60,
+                      distill_steps=60 if options["distill_steps"] is None else options["distill_steps"],
                       calibration_prompts=job.data_options.num_prompts or 64,
                       overwrite=options["overwrite"], progress=not quiet, device=job.data_options.device)
     saved = json.loads((out / "slimspec.json").read_text())
@@ -386,6 +437,7 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
         kw["aux_layers"] = _int_list(kw["aux_layers"], "--aux-layers")
     options = data_options_from(kw)
     resolve_device(options.device)  # an unusable --device fails now, not after the teacher data
+    options.placement()  # so do malformed --max-memory budgets
     if backbone_lr is not None and backbone_lr <= 0:
         raise OptionError(f"{{backbone_lr}} must be > 0, got {backbone_lr:g}", "backbone_lr")
     cfg = replace(distill_config_from(kw, steps), train_backbone=train_backbone, backbone_lr=backbone_lr,
@@ -477,16 +529,16 @@ def batch(manifest: Path, continue_on_error: bool, report: Path | None, dry_run:
 
     \b
     MANIFEST: {defaults: {target: ..., recipe: brief}, jobs: [{drafter: ..., out: ..., push_to: ...}, ...]}
-    Job options: drafter, target, rank, vocab, out, overwrite, dtype, stitch, init, distill_steps, data,
-    num_prompts, responses, max_new_tokens, generation_engine, generation_dtype, revision (the drafter's),
-    target_revision, device (where the teacher data is computed and the head distilled; not part of what makes a
-    job's output), push_to, eval_prompts (measure tau on that many mt_bench prompts); the distillation's teacher,
-    lr, warmup_steps, batch_tokens, ttt_steps, seed, bf16, teacher_temperature, temperature, aux_layers (a list),
-    aux_convention, as convert's options; recipe: brief (convert --recipe brief: the demo's distillation, under
-    any key the job or the defaults give). Jobs without distillation are named in a warning at the end.
-    A job whose output already holds the same conversion is skipped, one holding another batch job's is
-    replaced (any other existing folder only with overwrite: true; never the drafter's own);
-    outputs are written atomically, so a killed batch can simply be run again. Exit code 1 when any job failed.
+    Job options: drafter, target, rank, vocab, out, overwrite, dtype, stitch, init, distill_steps, data, num_prompts,
+    responses, max_new_tokens, generation_engine, generation_dtype, revision (the drafter's), target_revision, device,
+    max_memory, offload_folder (where the teacher data is computed and the head distilled; not part of what makes a
+    job's output), feature_dtype, push_to, eval_prompts (measure tau on that many mt_bench prompts); the distillation's
+    teacher, lr, warmup_steps, batch_tokens, ttt_steps, seed, bf16, teacher_temperature, temperature, aux_layers (a
+    list), aux_convention, as convert's options; recipe: brief (convert --recipe brief: the demo's distillation, under
+    any key the job or the defaults give). Jobs without distillation are named in a warning at the end. A job whose
+    output already holds the same conversion is skipped, one holding another batch job's is replaced (any other existing
+    folder only with overwrite: true; never the drafter's own); outputs are written atomically, so a killed batch can
+    simply be run again. Exit code 1 when any job failed.
     """
     if dry_run:
         if any(line["status"] in ("refused", "failed") for line in plan_batch(manifest, report_path=report)):
@@ -751,6 +803,15 @@ def inspect(drafter: str, target: str | None, plot: Path | None, as_json: bool) 
                    "serve with parallel_drafting)")
     if info["dropped_tensors"]:
         click.echo(f"ignored        {', '.join(info['dropped_tensors'])}")
+    if "screen" in info:
+        screen, mib = info["screen"], 2**20
+        reads = screen["bytes_read_per_step"]
+        click.echo(f"screen         rank {info['rank']} pair scores every token, exact rows rescore its top "
+                   f"{screen['shortlist']}" + (f" + {screen['hot_rows']} hot tokens" if screen["hot_rows"] else ""))
+        click.echo(f"               multiply-adds {screen['multiply_add_share']:.3f} of the full head; head "
+                   f"{screen['head_bytes'] / mib:.1f} MiB (pair + exact rows); read per step "
+                   f"{reads['1'] / mib:.2f} MiB at B=1, at most {reads['64'] / mib:.2f} MiB at B=64 (full head "
+                   f"{screen['full_head_bytes_read_per_step'] / mib:.2f} MiB)")
     click.echo("tensors")
     for name, meta in info["tensors"].items():
         click.echo(f"  {name:<44} {str(meta['shape']):<16} {meta['dtype']}")

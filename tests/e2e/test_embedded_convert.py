@@ -31,7 +31,7 @@ def test_convert_embedded_target_d8(standin, tmp_path):
     with the rows centred that is not the float64 centred spectrum's."""
     out = tmp_path / "out"
     proc = _cli("convert", str(standin), "--target", "embedded:smollm2-135m", "--rank", "d/8", "--out", str(out),
-                "--json")
+                "--distill-steps", "0", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["rank"] == 72 and report["head_vocab"] == 49152 and report["rows_from_drafter"] == 4096

@@ -58,7 +58,8 @@ def test_greedy_spec_decoding_reproduces_the_target() -> None:
 
 def test_name_works_as_a_drafter_id_without_target(tmp_path) -> None:
     """Catches the embedded name not resolving on the CLI, or --target not defaulting to the embedded target."""
-    proc = _cli("convert", NAME, "--rank", "d/8", "--vocab", "draft", "--out", str(tmp_path / "o"), "--json")
+    proc = _cli("convert", NAME, "--distill-steps", "0", "--rank", "d/8", "--vocab", "draft", "--out",
+                str(tmp_path / "o"), "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["rank"] == 72 and report["head_vocab"] == 8192

@@ -92,7 +92,7 @@ def drafters(target, tmp_path_factory) -> dict[str, Path]:
         str(original), embedded.EMBEDDED_TARGET, SERVED_RANK, tmp / "draft").out
     draft8 = convert_briefly(str(original), embedded.EMBEDDED_TARGET, "d/8", tmp / "draft8").out
     full = slimspec.convert_drafter(str(original), embedded.EMBEDDED_TARGET, "d/8", out=tmp / "full",
-                                    progress=False).out
+                                    distill_steps=0, progress=False).out
     return {"original": Path(original), "full": Path(full), "draft": Path(draft), "draft8": Path(draft8)}
 
 
@@ -262,7 +262,7 @@ def constant_pair(tmp_path_factory) -> dict[str, Path]:
     head = _constant_target(tmp / "target")
     _constant_drafter(tmp / "original", head)
     converted = slimspec.convert_drafter(str(tmp / "original"), str(tmp / "target"), "d/8", out=tmp / "converted",
-                                 progress=False).out
+                                 distill_steps=0, progress=False).out
     return {"target": tmp / "target", "original": tmp / "original", "converted": converted}
 
 
@@ -331,7 +331,7 @@ def test_draft_vocab_checkpoint_missing_d2t_is_refused(target, tmp_path):
     original = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)
     broken = slimspec.convert_drafter(str(original), embedded.EMBEDDED_TARGET, "d/8", vocab="draft",
                                       out=tmp_path / "no-d2t",
-                              progress=False).out
+                              distill_steps=0, progress=False).out
     tensors = load_file(broken / "model.safetensors")
     del tensors["d2t"]
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
@@ -355,7 +355,7 @@ def test_qwen3_drafter_class(tmp_path):
                   Spec(qwen3=True, vocab=len(tokenizer), draft_vocab=512, hidden=128, target_hidden=128, heads=4,
                        kv_heads=2, head_dim=32, inter=256, target_layers=8))
     converted = slimspec.convert_drafter(str(tmp_path / "drafter"), str(target), 16, out=tmp_path / "converted",
-                                 progress=False).out
+                                 distill_steps=0, progress=False).out
     report = _check(target, drafter=converted, prompts=_prompts()[:1], args=["--check-head"])
     assert report["ok"], report
     assert report["draft_model_class"] == "SlimSpecEagle3Qwen3ForCausalLM" and report["head_shape"] == [49152, 16]
@@ -456,7 +456,7 @@ def _served_before_and_after_conversion(target, baseline, source: Path, tmp_path
     from slimspec.evaluate.acceptance import evaluate
 
     converted = slimspec.convert_drafter(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
-                                 out=tmp_path / "converted", progress=False).out
+                                 out=tmp_path / "converted", distill_steps=0, progress=False).out
     runs = []
     for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):
         report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head"])
@@ -515,7 +515,7 @@ def _served_counts_as_the_reference(target, baseline, source: Path, tmp_path: Pa
     from slimspec.evaluate.acceptance import evaluate
 
     converted = slimspec.convert_drafter(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
-                                 out=tmp_path / "converted", progress=False).out
+                                 out=tmp_path / "converted", distill_steps=0, progress=False).out
     runs = []
     for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):
         report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head", *args])

@@ -14,7 +14,8 @@ from tests.layouts import Spec, write_drafter, write_target
 
 
 def _run(args, tmp_path):
-    return CliRunner().invoke(main, ["convert", *args, "--out", str(tmp_path / "out"), "--quiet"])
+    return CliRunner().invoke(main, ["convert", *args, "--distill-steps", "0", "--out", str(tmp_path / "out"),
+                                     "--quiet"])
 
 
 def _assert_clean_failure(result, tmp_path, needle):
@@ -144,7 +145,8 @@ def test_teacher_temperature_must_be_positive(tmp_path, pair, temperature):
 def test_existing_out(tmp_path, pair):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
-    result = CliRunner().invoke(main, ["convert", pair[0], "-t", pair[1], "--out", str(tmp_path / "out")])
+    result = CliRunner().invoke(main, ["convert", pair[0], "--distill-steps", "0", "-t", pair[1], "--out",
+                                       str(tmp_path / "out")])
     assert result.exit_code == 2 and "already exists" in result.stderr
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
@@ -152,7 +154,8 @@ def test_existing_out(tmp_path, pair):
 def test_real_process_has_no_traceback(tmp_path, pair):
     """The installed entry point (not only click's runner) exits 2 with one line."""
     proc = subprocess.run([sys.executable, "-m", "slimspec", "convert", pair[0], "-t", pair[1], "--rank", "99",
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+                           "--distill-steps", "0", "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert [ln for ln in lines if not ln.startswith("[slimspec]")] == [lines[-1]]
@@ -185,7 +188,7 @@ def test_non_finite_or_quantised_heads_are_one_line(tmp_path):
     weights["lm_head.weight"][3, 5] = float("inf")
     save_file(weights, str(tmp_path / "d" / "model.safetensors"))
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--rank", "8", "--vocab", "draft", "-o",
-                                       str(tmp_path / "o")])
+                                       str(tmp_path / "o"), "--distill-steps", "0"])
     assert result.exit_code == 2 and "holds inf or NaN (1 row(s), the first at token" in result.stderr, result.output
     assert "Traceback" not in result.output and not (tmp_path / "o").exists()
     write_drafter(tmp_path / "ok", "eagle", Spec())
@@ -194,5 +197,5 @@ def test_non_finite_or_quantised_heads_are_one_line(tmp_path):
     target["model.embed_tokens.weight"] = target["model.embed_tokens.weight"].to(torch.float8_e4m3fn)
     save_file(target, str(tmp_path / "t" / "model.safetensors"))
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "ok"), "-t", str(tmp_path / "t"), "--rank", "8",
-                                       "-o", str(tmp_path / "o2")])
+                                       "--distill-steps", "0", "-o", str(tmp_path / "o2")])
     assert result.exit_code == 2 and "quantised head is not supported" in result.stderr, result.output

@@ -29,7 +29,7 @@ def test_batch_is_idempotent_and_reruns_changed_jobs(tmp_path):
     """Catches a batch that redoes finished work, or skips a job whose settings changed."""
     _setup(tmp_path)
     manifest = tmp_path / "jobs.yaml"
-    doc = {"defaults": {"target": str(tmp_path / "t"), "rank": "d/8"},
+    doc = {"defaults": {"target": str(tmp_path / "t"), "rank": "d/8", "distill_steps": 0},
            "jobs": [{"drafter": str(tmp_path / "d1"), "out": str(tmp_path / "o1")},
                     {"drafter": str(tmp_path / "d2"), "out": str(tmp_path / "o2"), "rank": 6}]}
     manifest.write_text(yaml.safe_dump(doc))
@@ -57,7 +57,7 @@ def test_killed_job_leaves_nothing_that_looks_finished(tmp_path):
     (stale / "model.safetensors").write_bytes(b"half")
     manifest = tmp_path / "jobs.json"
     manifest.write_text(json.dumps([{"drafter": str(tmp_path / "d1"), "target": str(tmp_path / "t"),
-                                     "out": str(tmp_path / "o1")}]))
+                                     "out": str(tmp_path / "o1"), "distill_steps": 0}]))
     assert not (tmp_path / "o1").exists()
     result, rows = _run(manifest)
     assert result.exit_code == 0 and rows[str(tmp_path / "o1")]["status"] == "done"
@@ -71,7 +71,7 @@ def test_bad_jobs_are_reported_and_good_ones_finish(tmp_path):
     (tmp_path / "bad" / "config.json").write_text("{}")
     (tmp_path / "bad" / "model.safetensors").write_bytes(b"\x00" * 10)
     manifest = tmp_path / "jobs.jsonl"
-    lines = [{"defaults": {"target": str(tmp_path / "t")}},
+    lines = [{"defaults": {"target": str(tmp_path / "t"), "distill_steps": 0}},
              {"drafter": str(tmp_path / "d1"), "out": str(tmp_path / "good1"), "name": "good1"},
              {"drafter": str(tmp_path / "bad"), "out": str(tmp_path / "o-bad"), "name": "corrupt"},
              {"drafter": str(tmp_path / "d1"), "target": str(tmp_path / "nowhere"), "out": str(tmp_path / "o-nt"),
@@ -129,7 +129,8 @@ def test_existing_output_failure_names_the_manifest_option(tmp_path):
     _setup(tmp_path)
     (tmp_path / "taken").mkdir()
     (tmp_path / "m.yaml").write_text(yaml.safe_dump({"jobs": [
-        {"drafter": str(tmp_path / "d1"), "target": str(tmp_path / "t"), "out": str(tmp_path / "taken")}]}))
+        {"drafter": str(tmp_path / "d1"), "target": str(tmp_path / "t"), "out": str(tmp_path / "taken"),
+         "distill_steps": 0}]}))
     result, rows = _run(tmp_path / "m.yaml")
     error = rows[str(tmp_path / "taken")]["error"]
     assert result.exit_code == 1 and "set overwrite: true in the job" in error and "--overwrite" not in error
@@ -139,7 +140,8 @@ def test_rerun_with_eval_prompts_measures_and_records_tau(tiny_target, tmp_path)
     """Catches a finished job that returned before `eval_prompts` (tau null on every rerun) and a measured tau that
     was never kept in slimspec.json (later skips and the pushed card would not show it)."""
     write_drafter(tmp_path / "d", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32))
-    job = {"drafter": str(tmp_path / "d"), "target": str(tiny_target), "rank": 8, "out": str(tmp_path / "o")}
+    job = {"drafter": str(tmp_path / "d"), "target": str(tiny_target), "rank": 8, "out": str(tmp_path / "o"),
+           "distill_steps": 0}
     manifest = tmp_path / "jobs.json"
     manifest.write_text(json.dumps([job]))
     _, rows = _run(manifest)
@@ -283,9 +285,10 @@ def test_distillation_keys_reach_the_loop_and_the_fingerprint(tmp_path, monkeypa
     ({"max_new_tokens": None}, "max_new_tokens is null; leave it out"),
     ({"lr": None, "distill_steps": 2}, "lr is null"),
     # what convert refuses, a job refuses before any job runs (an SVD start without steps reads no data)
-    ({"lr": 0.5, "teacher": "drafter"},
-     "this conversion reads no data (SVD start, no distill_steps), so teacher, lr would be ignored"),
-    ({"init": "whitened", "lr": 0.5, "num_prompts": 3}, "lr only shape distillation steps: add distill_steps N"),
+    ({"lr": 0.5, "teacher": "drafter", "distill_steps": 0},
+     "this conversion reads no data (SVD start, distill_steps 0), so teacher, lr would be ignored"),
+    ({"init": "whitened", "lr": 0.5, "num_prompts": 3, "distill_steps": 0},
+     "lr only shape distillation steps: give distill_steps N"),
     ({"vocab": "draft", "stitch": "zero"}, "stitch fills the rows a vocab full head adds"),
     ({"drafter": "embedded:smollm2-135m-eagle3", "revision": "v9"}, "revision pins a Hub drafter"),
     ({"rank": "auto"}, "rank auto measures several conversions: run it with `slimspec convert --rank auto`"),
@@ -318,7 +321,7 @@ def test_written_out_defaults_and_home_paths(tmp_path, monkeypatch):
     job over `data: dir/*.jsonl` was skipped after the prompts were replaced)."""
     from slimspec.workflows.batch import inputs_identity, job_fingerprint, read_manifest
 
-    plain = {"drafter": "x"}
+    plain = {"drafter": "x", "distill_steps": 0}
     written = {"drafter": "x", "rank": "d/8", "vocab": "full", "stitch": "target", "init": "auto",
                "distill_steps": 0, "responses": "regenerate", "max_new_tokens": 128}
     assert job_fingerprint(written) == job_fingerprint(plain) == "1ad7821f823ddf22"  # as before this change
@@ -354,7 +357,8 @@ def test_undistilled_jobs_are_named(tmp_path):
     on the embedded drafter at d/8): the report says distilled false, the job's line says so, and one warning
     names the jobs and the recipe that fixes them."""
     _setup(tmp_path)
-    (tmp_path / "m.json").write_text(json.dumps({"defaults": {"target": str(tmp_path / "t"), "rank": 6}, "jobs": [
+    (tmp_path / "m.json").write_text(json.dumps({"defaults": {"target": str(tmp_path / "t"), "rank": 6,
+                                                              "distill_steps": 0}, "jobs": [
         {"drafter": str(tmp_path / "d1"), "out": str(tmp_path / "o1"), "name": "one"},
         {"drafter": str(tmp_path / "d2"), "out": str(tmp_path / "o2"), "name": "two"}]}))
     for _ in range(2):  # done, then skipped: both say it
@@ -367,3 +371,27 @@ def test_undistilled_jobs_are_named(tmp_path):
         warned = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
         assert len(warned) == 1 and "2 job(s) not distilled (one, two)" in warned[0] and "recipe: brief" in warned[0], \
             result.stderr
+
+
+def test_a_job_without_distillation_keys_runs_the_default_recipe(tmp_path, monkeypatch):
+    """Catches a manifest job without `recipe` or `distill_steps` writing the plain SVD head (`slimspec convert`
+    distils by default), running another distillation than `recipe: brief` or another fingerprint (the same output
+    made twice), `distill_steps: 0` still distilling, and a batch that does not say which jobs distil by default."""
+    from slimspec.embedded import EMBEDDED_DRAFTER
+    from slimspec.workflows.batch import job_fingerprint, read_manifest
+
+    seen = _captured_convert(monkeypatch)
+    (tmp_path / "m.json").write_text(json.dumps([
+        {"drafter": EMBEDDED_DRAFTER, "out": str(tmp_path / "o1"), "name": "default"},
+        {"drafter": EMBEDDED_DRAFTER, "out": str(tmp_path / "o2"), "name": "brief", "recipe": "brief"},
+        {"drafter": EMBEDDED_DRAFTER, "out": str(tmp_path / "o3"), "name": "plain", "distill_steps": 0}]))
+    result = CliRunner().invoke(main, ["batch", str(tmp_path / "m.json"), "--continue-on-error"])
+    assert result.exit_code == 1 and len(seen) == 3, result.output
+    default, brief, plain = seen
+    assert default == brief and default["steps"] == 200 and default["vocab"] == "draft"
+    assert (plain["steps"], plain["vocab"]) == (0, "full")
+    said = [line for line in result.stderr.splitlines() if "distilling by default" in line]
+    assert len(said) == 1 and "(default)" in said[0] and "distill_steps: 0 gives the plain SVD head" in said[0]
+    jobs = read_manifest(tmp_path / "m.json")
+    assert job_fingerprint(jobs[0]) == job_fingerprint(jobs[1]) != job_fingerprint(jobs[2])
+    assert job_fingerprint(jobs[2]) == job_fingerprint({"drafter": EMBEDDED_DRAFTER})  # the plain head's, as ever

@@ -38,7 +38,7 @@ def test_conversion_reads_the_same_target_layers_as_its_source(tmp_path, layout)
     expected = {"specforge": (2, 4, 5), "speculators": (2, 4, 5)}[layout]  # ids [1, 3, 4] + 1 / [2, 4, 5] as is
     assert source == expected
     out = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, vocab="draft", out=tmp_path / "o",
-                           progress=False).out
+                           distill_steps=0, progress=False).out
     assert _features(out) == source
     config = json.loads((out / "config.json").read_text())
     assert config["num_aux_hidden_states"] == 3
@@ -55,7 +55,7 @@ def test_output_folder_is_never_the_source(tmp_path):
     before = sorted(p.name for p in (tmp_path / "d").iterdir())
     with pytest.raises(SlimSpecError, match="drafter's own folder"):
         slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "d", overwrite=True,
-                         progress=False)
+                         distill_steps=0, progress=False)
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == before
     load_drafter(tmp_path / "d")  # still the source
 
@@ -67,9 +67,9 @@ def test_batch_replaces_only_its_own_outputs(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "keep.txt").write_text("mine")
     jobs = [{"drafter": str(tmp_path / "d"), "target": str(tmp_path / "t"), "rank": 8, "out": str(tmp_path / "mine"),
-             "name": "foreign"},
+             "name": "foreign", "distill_steps": 0},
             {"drafter": str(tmp_path / "d"), "target": str(tmp_path / "t"), "rank": 8, "out": str(tmp_path / "d"),
-             "name": "source", "overwrite": True}]
+             "name": "source", "overwrite": True, "distill_steps": 0}]
     manifest = tmp_path / "jobs.json"
     manifest.write_text(json.dumps({"jobs": jobs}))
     report = tmp_path / "report.jsonl"
@@ -100,7 +100,8 @@ def test_conversion_records_where_its_sources_are(tmp_path, monkeypatch):
     monkeypatch.setattr("slimspec.workflows.convert.resolve_model", lambda name, role, revision=None: real(name, role))
     monkeypatch.setattr("slimspec.workflows.job._is_local", lambda name: False)  # the folders stand in for Hub repos
     monkeypatch.chdir(tmp_path)
-    out = slimspec.convert_drafter("d", "t", 8, out="o", revision="r1", target_revision="t1", progress=False).out
+    out = slimspec.convert_drafter("d", "t", 8, out="o", revision="r1", target_revision="t1",
+                                   distill_steps=0, progress=False).out
     meta = json.loads((tmp_path / "o" / "config.json").read_text())["slimspec"]
     assert meta["source_drafter"] == str(tmp_path / "d") and meta["target"] == str(tmp_path / "t")
     assert meta["source_revision"] == "r1" and meta["target_revision"] == "t1"
@@ -223,14 +224,16 @@ def test_conversion_warns_about_tensors_it_does_not_know(tmp_path):
     write_target(tmp_path / "t")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a known-unused tensor must not warn
-        slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o1", progress=False)
+        slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o1",
+                                 distill_steps=0, progress=False)
     _edit_bin(tmp_path / "d", some_new_thing__weight=torch.ones(4))
     with pytest.warns(SlimSpecWarning, match=r"1 tensor\(s\) of an unknown kind are not carried into the output: "
                                          r"some_new_thing\.weight"):
-        res = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o2", progress=False)
+        res = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o2",
+                                       distill_steps=0, progress=False)
     assert "some_new_thing.weight" in res.report["source"]["dropped_tensors"]
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--target", str(tmp_path / "t"), "--rank", "8",
-                                       "-o", str(tmp_path / "o3"), "-q"])
+                                       "--distill-steps", "0", "-o", str(tmp_path / "o3"), "-q"])
     assert result.exit_code == 0, result.output
     assert f"warning: {tmp_path / 'd'}: 1 tensor(s) of an unknown kind are not carried into the output: " \
         "some_new_thing.weight\n" in result.stderr
@@ -249,7 +252,7 @@ def test_full_size_draft_vocab_in_another_order_keeps_target_order(tmp_path):
     products = []
     for name in ("d", "p"):
         out = slimspec.convert_drafter(str(tmp_path / name), str(tmp_path / "t"), 8, vocab="draft",
-                               out=tmp_path / f"{name}-o", progress=False).out
+                               out=tmp_path / f"{name}-o", distill_steps=0, progress=False).out
         ckpt = load_drafter(out)
         assert ckpt.d2t is None
         products.append(ckpt.tensors["lm_head.weight"].double() @ ckpt.tensors["lm_head_down.weight"].double())
@@ -291,12 +294,12 @@ def test_output_folder_never_contains_an_input(tmp_path):
     for out, needle in ((tmp_path / "models", "contains"), (tmp_path / "t", "is the folder of")):
         with pytest.raises(SlimSpecError, match=needle):
             slimspec.convert_drafter(str(tmp_path / "models" / "d"), str(tmp_path / "t"), 8, out=out, overwrite=True,
-                             progress=False)
+                             distill_steps=0, progress=False)
     assert (tmp_path / "models" / "d" / "config.json").exists() and (tmp_path / "t" / "model.safetensors").exists()
     with pytest.raises(SlimSpecError, match="init must be"):
         slimspec.convert_drafter(str(tmp_path / "models" / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o",
                                  init="whitend",
-                         progress=False)
+                         distill_steps=0, progress=False)
 
 
 def test_output_files_are_readable_as_the_umask_allows(tmp_path):
@@ -306,7 +309,8 @@ def test_output_files_are_readable_as_the_umask_allows(tmp_path):
     write_target(tmp_path / "t")
     old = os.umask(0o022)
     try:
-        slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "c", progress=False)
+        slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "c",
+                                 distill_steps=0, progress=False)
     finally:
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "c").iterdir()}
@@ -333,11 +337,13 @@ def test_conversion_records_the_target_its_source_names(tmp_path, monkeypatch):
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     config["speculators_config"]["verifier"]["name_or_path"] = "t"  # a relative folder: recorded absolute
     (tmp_path / "d" / "config.json").write_text(json.dumps(config))
-    res = slimspec.convert_drafter("d", None, 8, vocab="draft", out="o", progress=False)
+    res = slimspec.convert_drafter("d", None, 8, vocab="draft", out="o", distill_steps=0, progress=False)
     assert res.report["source"]["target"] is None  # none was read
     assert load_drafter(res.out).named_target == str(tmp_path / "t")
-    out2 = slimspec.convert_drafter(str(res.out), None, 4, vocab="draft", out="o2", progress=False).out  # and again
+    out2 = slimspec.convert_drafter(str(res.out), None, 4, vocab="draft", out="o2",
+                                    distill_steps=0, progress=False).out  # and again
     assert load_drafter(out2).named_target == str(tmp_path / "t")
     write_drafter(tmp_path / "h", "speculators", Spec())  # a Hub id stays as named
-    assert load_drafter(slimspec.convert_drafter("h", None, 8, vocab="draft", out="o3", progress=False).out
+    assert load_drafter(slimspec.convert_drafter("h", None, 8, vocab="draft", out="o3",
+                                                 distill_steps=0, progress=False).out
                         ).named_target == "some-org/target-model"

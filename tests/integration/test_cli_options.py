@@ -20,10 +20,12 @@ def _one_line_failure(result, needle: str) -> None:
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["convert", "embedded:smollm2-135m-eagle3", "--aux-layers", "2,,3", "--distill-steps", "2"], "--aux-layers"),
-    (["convert", "embedded:smollm2-135m-eagle3", "--aux-layers", "2,5,8", "--num-prompts", "4"],
-     "reads no data (SVD start, no --distill-steps), so --num-prompts, --aux-layers would be ignored"),
-    (["convert", "embedded:smollm2-135m-eagle3", "--init", "svd", "--teacher", "drafter"], "--teacher would be"),
-    (["convert", "embedded:smollm2-135m-eagle3", "--init", "whitened", "--lr", "1e-3", "--bf16"],
+    (["convert", "embedded:smollm2-135m-eagle3", "--distill-steps", "0", "--aux-layers", "2,5,8", "--num-prompts", "4"],
+     "reads no data (SVD start, --distill-steps 0), so --num-prompts, --aux-layers would be ignored"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--distill-steps", "0", "--init", "svd", "--teacher", "drafter"],
+     "--teacher would be"),
+    (["convert", "embedded:smollm2-135m-eagle3", "--distill-steps", "0", "--init", "whitened", "--lr", "1e-3",
+      "--bf16"],
      "--lr, --bf16 only shape distillation steps"),
     (["distill", "embedded:smollm2-135m-eagle3", "--aux-layers", "two"], "--aux-layers"),
     (["convert", "embedded:smollm2-135m-eagle3", "--rank", "auto", "--stitch", "zero", "--lr", "1e-3"],
@@ -73,7 +75,8 @@ def test_outputs_that_cannot_be_made_fail_before_any_work(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("")
     _one_line_failure(CliRunner().invoke(main, ["convert", "embedded:smollm2-135m-eagle3", "--vocab", "draft",
-                                                "-o", "afile/sub"]), "afile is a file, not a folder")
+                                                "--distill-steps", "0", "-o", "afile/sub"]),
+                      "afile is a file, not a folder")
     _one_line_failure(CliRunner().invoke(main, ["inspect", "embedded:smollm2-135m-eagle3", "--plot",
                                                 "afile/p.png"]), "is a file")
     (tmp_path / "m.json").write_text(json.dumps([{"drafter": "x"}]))
@@ -83,20 +86,21 @@ def test_outputs_that_cannot_be_made_fail_before_any_work(tmp_path, monkeypatch)
 
 
 def test_an_undistilled_conversion_says_so(tmp_path):
-    """Catches a conversion without distillation passing silently for a finished one: the SVD start alone kept
-    rho_tau 0.61 on the embedded drafter at d/8 (docs/research.md). One warning line on stderr
+    """Catches a conversion asked not to distil (--distill-steps 0) passing silently for a finished one: the SVD start
+    alone kept rho_tau 0.61 on the embedded drafter at d/8 (docs/research.md). One warning line on stderr
     (also with --json, whose stdout stays one JSON object), and a note in the model card."""
     from slimspec.checkpoint.writer import NOT_DISTILLED_NOTE
 
     write_drafter(tmp_path / "d", "eagle", Spec())
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--rank", "8", "--vocab", "draft", "-o",
-                                       str(tmp_path / "o"), "--json", "-q"])
+                                       str(tmp_path / "o"), "--distill-steps", "0", "--json", "-q"])
     assert result.exit_code == 0, result.output
     json.loads(result.stdout)
     warned = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(warned) == 1 and warned[0].startswith(f"warning: {tmp_path / 'o'} is not distilled"), warned
     assert "rho_tau 0.61" in warned[0]
-    assert warned[0].endswith(f"The demo's brief distillation: add --recipe brief, that is slimspec convert "
+    assert warned[0].endswith(f"Without --distill-steps, convert distils with the demo's brief recipe, that is "
+                              f"slimspec convert "
                               f"{tmp_path / 'd'} --rank 8 --vocab draft --distill-steps 200 --teacher drafter --lr "
                               "0.005 --warmup-steps 5 --batch-tokens 2048 --max-new-tokens 64 --generation-engine "
                               "static"), warned[0]
@@ -146,7 +150,7 @@ def test_revisions_go_to_their_own_model(pair, tmp_path, monkeypatch):
     monkeypatch.setattr("slimspec.workflows.convert.resolve_model", recording)
     monkeypatch.setattr("slimspec.workflows.job._is_local", lambda name: False)  # the folders stand in for Hub repos
     convert_drafter(str(pair[0]), str(pair[1]), 8, out=tmp_path / "o", revision="r1", target_revision="main",
-                    progress=False)
+                    distill_steps=0, progress=False)
     assert calls == [(str(pair[0]), "drafter", "r1"), (str(pair[1]), "target", "main")]
 
 
@@ -157,14 +161,14 @@ def test_convert_takes_the_target_the_drafter_names(tmp_path):
     write_target(tmp_path / "t")
     write_drafter(tmp_path / "d", "eagle", Spec(extra_config={"base_model_name_or_path": str(tmp_path / "t")}))
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--rank", "8", "-o", str(tmp_path / "o"),
-                                       "--json", "-q"])
+                                       "--distill-steps", "0", "--json", "-q"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["source"]["target"] == str(tmp_path / "t") and report["rows_from_target"] > 0
     # --vocab draft with the drafter's own head needs no target: a named target that does not exist is not read
     write_drafter(tmp_path / "d2", "eagle", Spec(extra_config={"base_model_name_or_path": str(tmp_path / "gone")}))
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d2"), "--rank", "8", "--vocab", "draft", "-o",
-                                       str(tmp_path / "o2"), "--json", "-q"])
+                                       str(tmp_path / "o2"), "--distill-steps", "0", "--json", "-q"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["source"]["target"] is None
 
@@ -221,7 +225,7 @@ def test_demo_command_line_is_the_demo_recipe(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["--init", "whitened", "--num-prompts", "3", "--aux-layers", "1,2,3", "--ttt-steps", "2"],
+    ["--init", "whitened", "--distill-steps", "0", "--num-prompts", "3", "--aux-layers", "1,2,3", "--ttt-steps", "2"],
     ["--init", "svd", "--distill-steps", "2", "--lr", "1e-3", "--aux-layers", "1,2,3"],
     ["--distill-steps", "2", "--bf16", "--teacher-temperature", "0.5"],
 ])
@@ -285,7 +289,7 @@ def test_a_broken_report_is_one_line(tmp_path):
     and `bench` with a JSONDecodeError traceback."""
     write_drafter(tmp_path / "d", "eagle", Spec())
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--rank", "8", "--vocab", "draft", "-o",
-                                       str(tmp_path / "o"), "-q"])
+                                       str(tmp_path / "o"), "--distill-steps", "0", "-q"])
     assert result.exit_code == 0, result.output
     (tmp_path / "o" / "slimspec.json").write_text("garbage{")
     for args in (["push", str(tmp_path / "o"), "someone/x", "--dry-run"], ["bench", str(tmp_path / "o")]):
@@ -314,8 +318,105 @@ def test_a_failed_push_after_convert_says_where_the_conversion_is(tmp_path, monk
     write_drafter(tmp_path / "d", "eagle", Spec())
     out = tmp_path / "o"
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--rank", "8", "--vocab", "draft", "-o",
-                                       str(out), "-q", "--push-to", "me/x"])
+                                       str(out), "--distill-steps", "0", "-q", "--push-to", "me/x"])
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.exit_code == 2 and errors == [f"error: push to me/x failed: no network (the conversion is kept in "
                                                 f"{out}: `slimspec push {out} me/x` pushes it)"], result.stderr
     assert (out / "slimspec.json").exists()
+
+
+def _captured_jobs(monkeypatch) -> list:
+    """Replace ``run_conversion`` by a capture of the job it is handed (the command then stops, "stop here")."""
+    import slimspec.workflows.convert as conversion
+
+    seen = []
+
+    def capture(job):
+        seen.append(job)
+        raise conversion.SlimSpecError("stop here")
+
+    monkeypatch.setattr(conversion, "run_conversion", capture)
+    return seen
+
+
+@pytest.mark.parametrize("extra", [[], ["--target", "embedded:smollm2-135m"], ["--vocab", "full", "--lr", "1e-3"]])
+def test_convert_without_distillation_options_runs_the_brief_recipe(extra, monkeypatch):
+    """Catches `slimspec convert DRAFTER` writing an undistilled SVD head (0.61 of tau on the embedded drafter) or a
+    default distillation that differs in any field from `--recipe brief` (another vocab, lr, answer length or
+    answer dtype: another teacher cache), options given beside it not overriding the recipe's, and a default that
+    says nothing (one line naming --distill-steps 0)."""
+    from dataclasses import replace
+
+    from slimspec.embedded import EMBEDDED_DRAFTER
+
+    seen = _captured_jobs(monkeypatch)
+    default = CliRunner().invoke(main, ["convert", EMBEDDED_DRAFTER, *extra])
+    recipe = CliRunner().invoke(main, ["convert", EMBEDDED_DRAFTER, "--recipe", "brief", *extra])
+    assert "stop here" in default.output and "stop here" in recipe.output and len(seen) == 2, default.output
+    by_default, brief = seen
+    assert by_default.distils_by_default and not brief.distils_by_default
+    assert replace(by_default, given=brief.given) == brief
+    assert by_default.distill_steps == 200 and by_default.resolved_init == "whitened" and by_default.reads_data
+    assert by_default.vocab == ("full" if "full" in extra else "draft")
+    assert by_default.distill_config.lr == (1e-3 if "--lr" in extra else 5e-3)
+    said = [line for line in default.stderr.splitlines() if "distilling by default" in line]
+    assert len(said) == 1 and "--distill-steps 0 gives the plain SVD head" in said[0], default.stderr
+    assert "distilling by default" not in recipe.stderr
+
+
+def test_distill_steps_0_and_no_distill_give_the_plain_svd_head_reading_no_data(tmp_path, monkeypatch):
+    """Catches `--distill-steps 0` / `--no-distill` still distilling or computing teacher data (a whitened start),
+    the two giving different jobs, and the two contradicting each other being taken silently."""
+    import slimspec.workflows.convert as conversion
+
+    seen = _captured_jobs(monkeypatch)
+    for flags in (["--distill-steps", "0"], ["--no-distill"], ["--no-distill", "--distill-steps", "0"]):
+        result = CliRunner().invoke(main, ["convert", "embedded:smollm2-135m-eagle3", *flags])
+        assert "stop here" in result.output and "distilling by default" not in result.stderr, result.output
+    assert seen[0] == seen[1] == seen[2]
+    assert (seen[0].distill_steps, seen[0].resolved_init, seen[0].reads_data, seen[0].vocab) == (0, "svd", False,
+                                                                                                 "full")
+    for flags, needle in ((["--no-distill", "--distill-steps", "3"], "--no-distill and --distill-steps 3"),
+                          (["--no-distill", "--recipe", "brief"], "--no-distill and --recipe brief")):
+        _one_line_failure(CliRunner().invoke(main, ["convert", "embedded:smollm2-135m-eagle3", *flags]), needle)
+    _one_line_failure(CliRunner().invoke(main, ["convert", "embedded:smollm2-135m-eagle3", "--no-distill", "--lr",
+                                                "1e-3"]), "so --lr would be ignored")
+    # and a real plain conversion reads no teacher data: the target model and the calibration are never reached
+    monkeypatch.undo()
+
+    def unreachable(*args, **kwargs):
+        raise AssertionError("a plain SVD conversion computed teacher data")
+
+    monkeypatch.setattr(conversion, "load_target_parts", unreachable)
+    monkeypatch.setattr(conversion, "init_and_distill", unreachable)
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--rank", "8", "--vocab", "draft",
+                                       "--no-distill", "-o", str(tmp_path / "o"), "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["init"] == "svd" and "distill" not in report and "init_kl" not in report
+
+
+def test_the_api_distils_by_default_as_the_cli_does(monkeypatch):
+    """Catches `slimspec.convert_drafter(drafter)` keeping the plain SVD head as its default (or distilling otherwise
+    than `convert --recipe brief`), keyword options not overriding the recipe, `distill_steps=0` still distilling,
+    and data_options given without distill_steps being dropped silently."""
+    from dataclasses import replace
+
+    import slimspec
+    from slimspec.distill.pipeline import DataOptions
+    from slimspec.embedded import EMBEDDED_DRAFTER
+    from slimspec.errors import OptionError, SlimSpecError
+    from slimspec.workflows.job import conversion_job
+
+    seen = _captured_jobs(monkeypatch)
+    for kwargs in ({}, {"vocab": "full"}, {"distill_steps": 0}):
+        with pytest.raises(SlimSpecError, match="stop here"):
+            slimspec.convert_drafter(EMBEDDED_DRAFTER, progress=False, **kwargs)
+    api, full, plain = seen
+    brief = conversion_job({"drafter": EMBEDDED_DRAFTER, "recipe": "brief"}, {"recipe"}, progress=False)
+    assert api.distils_by_default and replace(api, given=brief.given) == brief
+    assert replace(full, vocab="draft", given=brief.given) == brief
+    assert (plain.distill_steps, plain.reads_data, plain.vocab) == (0, False, "full")
+    with pytest.raises(OptionError, match="give distill_steps with them"):
+        slimspec.convert_drafter(EMBEDDED_DRAFTER, data_options=DataOptions(num_prompts=4), progress=False)

@@ -30,7 +30,8 @@ def test_convert_full_vocab_every_layout(tmp_path, layout):
     """Catches wrong stitching (d2t mapping, rows from the target), wrong names for vLLM, lost tensors."""
     written = write_drafter(tmp_path / "d", layout, Spec())
     head = write_target(tmp_path / "t", tied=layout != "speculators", sharded=layout == "modelopt")
-    res = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), "d/4", out=tmp_path / "o", progress=False)
+    res = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), "d/4", out=tmp_path / "o",
+                                   distill_steps=0, progress=False)
     assert res.rank == 8
     with safe_open(str(tmp_path / "o" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
@@ -65,7 +66,7 @@ def test_draft_vocab_keeps_d2t(tmp_path):
     written = write_drafter(tmp_path / "d", "modelopt", Spec())
     write_target(tmp_path / "t")
     slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 5, vocab="draft", out=tmp_path / "o",
-                             progress=False)
+                             distill_steps=0, progress=False)
     with safe_open(str(tmp_path / "o" / "model.safetensors"), "pt") as f:
         assert torch.equal(f.get_tensor("d2t"), written["d2t"])
         up, down = f.get_tensor("lm_head.weight"), f.get_tensor("lm_head_down.weight")
@@ -85,28 +86,31 @@ def test_a_conversion_converted_again_only_shrinks(tmp_path):
     write_drafter(tmp_path / "d", "eagle", Spec(draft_vocab=97))
     write_target(tmp_path / "t")
     slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, vocab="draft", out=tmp_path / "r8",
-                             progress=False)
+                             distill_steps=0, progress=False)
     with pytest.raises(SlimSpecError, match="already a rank-8 pair: a rank-8 pair adds only zero directions"):
-        slimspec.convert_drafter(str(tmp_path / "r8"), None, 8, vocab="draft", out=tmp_path / "again", progress=False)
+        slimspec.convert_drafter(str(tmp_path / "r8"), None, 8, vocab="draft", out=tmp_path / "again",
+                                 distill_steps=0, progress=False)
     smaller = slimspec.convert_drafter(str(tmp_path / "r8"), None, 4, vocab="draft", out=tmp_path / "r4",
-                                       progress=False)
+                                       distill_steps=0, progress=False)
     assert smaller.report["head_params_source"] == 8 * (97 + 32) and smaller.report["head_params"] == 4 * (97 + 32)
     assert smaller.report["head_rows_source"] == 97  # what `slimspec bench` times the full head at
     # a stitched full-vocabulary head has target rows beside the pair's: any rank below d is worth converting to
-    slimspec.convert_drafter(str(tmp_path / "r8"), str(tmp_path / "t"), 16, out=tmp_path / "full", progress=False)
+    slimspec.convert_drafter(str(tmp_path / "r8"), str(tmp_path / "t"), 16, out=tmp_path / "full",
+                             distill_steps=0, progress=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 24, vocab="draft", out=tmp_path / "r24",
-                         progress=False)  # 24 x (97 + 32) = 3096 weights against 97 x 32 = 3104: still smaller
+                                 distill_steps=0, progress=False)  # 24 x (97 + 32) = 3096 < 97 x 32 = 3104
         slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 25, vocab="draft", out=tmp_path / "r25",
-                         progress=False)  # 3225 > 3104
+                                 distill_steps=0, progress=False)  # 3225 > 3104
     assert [str(w.message).split(":")[0] for w in caught if w.category is SlimSpecWarning] == ["rank 25"]
 
 
 def test_headless_modelopt_factorises_target_head(tmp_path):
     write_drafter(tmp_path / "d", "modelopt", Spec(no_head=True, draft_vocab=None))
     head = write_target(tmp_path / "t", tied=False)
-    res = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 4, out=tmp_path / "o", progress=False)
+    res = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 4, out=tmp_path / "o",
+                                   distill_steps=0, progress=False)
     assert res.report["rows_from_drafter"] == 0
     assert abs(res.report["relative_frobenius_error"] - _svd_error(head, 4)) < 1e-5
 
@@ -115,21 +119,22 @@ def test_dtype_energy_rank_and_default_out(tmp_path, monkeypatch):
     write_drafter(tmp_path / "my-drafter", "eagle", Spec(dtype=torch.float16))
     write_target(tmp_path / "t")
     monkeypatch.chdir(tmp_path)
-    res = slimspec.convert_drafter("my-drafter", "t", "energy:0.5", progress=False)
+    res = slimspec.convert_drafter("my-drafter", "t", "energy:0.5", distill_steps=0, progress=False)
     assert res.out.name == f"my-drafter-slimspec-r{res.rank}"
     assert res.report["energy_kept"] >= 0.5 and res.report["dtype"] == "float16"
     with safe_open(str(res.out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("lm_head.weight").dtype == torch.float16
-    res2 = slimspec.convert_drafter("my-drafter", "t", "d/8", dtype="fp32", out="x", progress=False)
+    res2 = slimspec.convert_drafter("my-drafter", "t", "d/8", dtype="fp32", out="x", distill_steps=0, progress=False)
     assert res2.report["dtype"] == "float32"
 
 
 def test_overwrite_replaces(tmp_path):
     write_drafter(tmp_path / "d", "eagle", Spec())
     write_target(tmp_path / "t")
-    slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 4, out=tmp_path / "o", progress=False)
+    slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 4, out=tmp_path / "o",
+                             distill_steps=0, progress=False)
     res = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 6, out=tmp_path / "o", overwrite=True,
-                           progress=False)
+                           distill_steps=0, progress=False)
     assert load_drafter(tmp_path / "o").rank == 6 == res.rank
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "o", "t"]
 
@@ -138,7 +143,8 @@ def test_cli_json(tmp_path):
     write_drafter(tmp_path / "d", "specforge", Spec())
     write_target(tmp_path / "t")
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--target", str(tmp_path / "t"),
-                                       "--rank", "d/8", "--out", str(tmp_path / "o"), "--json", "-q"])
+                                       "--distill-steps", "0", "--rank", "d/8", "--out", str(tmp_path / "o"), "--json",
+                                       "-q"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["rank"] == 4 and report["out"] == str(tmp_path / "o")
@@ -149,8 +155,8 @@ def test_cli_human_report_and_inspect(tmp_path):
     write_drafter(tmp_path / "d", "eagle", Spec())
     write_target(tmp_path / "t")
     runner = CliRunner()
-    result = runner.invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tmp_path / "t"), "-o",
-                                  str(tmp_path / "o")])
+    result = runner.invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tmp_path / "t"), "--distill-steps", "0",
+                                  "-o", str(tmp_path / "o")])
     assert result.exit_code == 0, result.output
     assert "energy kept" in result.stdout and "head FLOP ratio" in result.stdout
     png = tmp_path / "energy.png"
@@ -201,7 +207,8 @@ def test_output_config_is_unknown_outside_the_plugin(tmp_path):
     write_target(tmp_path / "t")
     for vocab in ("full", "draft"):
         out = tmp_path / f"o-{vocab}"
-        slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 5, vocab=vocab, out=out, progress=False)
+        slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 5, vocab=vocab, out=out,
+                                 distill_steps=0, progress=False)
         cfg = json.loads((out / "config.json").read_text())
         assert "auto_map" not in cfg
         (arch,) = cfg["architectures"]
@@ -215,9 +222,10 @@ def test_unsupported_rope_drafter_is_refused_before_the_target_only_when_built(t
     write_drafter(tmp_path / "d", "eagle", Spec(extra_config={"rope_scaling": {
         "rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 1024}}))
     write_target(tmp_path / "t")
-    out = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o", progress=False).out
+    out = slimspec.convert_drafter(str(tmp_path / "d"), str(tmp_path / "t"), 8, out=tmp_path / "o",
+                                   distill_steps=0, progress=False).out
     assert load_drafter(out).config.rope_scaling["rope_type"] == "dynamic"
-    for options in (["--init", "whitened"], ["--distill-steps", "2"]):  # the target is never reached
+    for options in (["--init", "whitened", "--distill-steps", "0"], ["--distill-steps", "2"]):  # no target is read
         result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "--target", str(tmp_path / "nowhere"),
                                            "--rank", "8", "-o", str(tmp_path / "o2"), *options])
         assert result.exit_code == 2, result.output

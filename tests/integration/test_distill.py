@@ -236,7 +236,7 @@ def test_resume_is_bit_for_bit(tiny_converted, tiny_target, tmp_path):
     write_drafter(tmp_path / "other", "eagle", Spec(vocab=49152, draft_vocab=512, hidden=32, target_hidden=32,
                                                     seed=9))
     other = slimspec.convert_drafter(str(tmp_path / "other"), str(tiny_target), 8, out=tmp_path / "other-r8",
-                             progress=False).out
+                             distill_steps=0, progress=False).out
     with pytest.raises(SlimSpecError, match="another source drafter"):
         distill(other, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg), data_options=FEW,
                 resume=True, progress=False)
@@ -343,7 +343,7 @@ def test_from_scratch_trains_an_eagle_layout_drafter(tiny_target, tmp_path):
     assert ckpt.layout == "eagle" and ckpt.config.draft_vocab_size == 300 and ckpt.dtype == torch.float16
     assert ckpt.tensors["t2d"].sum() == 300
     res = slimspec.convert_drafter(str(tmp_path / "scratch"), str(tiny_target), 4, out=tmp_path / "conv",
-                                   progress=False)
+                                   distill_steps=0, progress=False)
     assert res.report["rows_from_drafter"] == 300
 
 

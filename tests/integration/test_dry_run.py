@@ -55,7 +55,7 @@ def test_dry_run_of_the_embedded_drafter_prints_the_plan_and_writes_nothing(no_w
     """Catches a dry run that reads the drafter's or the target's weights, builds the embedded target, makes the
     output folder or runs the conversion, and a plan whose rank, head size or FLOPs are off (d=576, V=49152
     --vocab full, r=d/8=72: 28,311,552 -> 3,580,416 weights)."""
-    result = CliRunner().invoke(main, ["convert", DRAFTER, "--dry-run"])
+    result = CliRunner().invoke(main, ["convert", DRAFTER, "--distill-steps", "0", "--dry-run"])
     assert result.exit_code == 0, (result.output, result.exception)
     text = result.stdout
     assert "72 (d=576, spec d/8)" in text
@@ -68,9 +68,9 @@ def test_dry_run_of_the_embedded_drafter_prints_the_plan_and_writes_nothing(no_w
 def test_dry_run_json_follows_vocab_and_reads_no_data_without_distillation(no_weights):
     """Catches a head vocabulary that ignores --vocab (draft: the drafter's 8192 rows) and a plan that counts the
     target's whole download for a conversion that reads only its head."""
-    full = _plan(CliRunner().invoke(main, ["convert", DRAFTER, "--dry-run", "--json"]))
-    draft = _plan(CliRunner().invoke(main, ["convert", DRAFTER, "--vocab", "draft", "--rank", "64", "--dry-run",
-                                            "--json"]))
+    full = _plan(CliRunner().invoke(main, ["convert", DRAFTER, "--distill-steps", "0", "--dry-run", "--json"]))
+    draft = _plan(CliRunner().invoke(main, ["convert", DRAFTER, "--vocab", "draft", "--rank", "64", "--no-distill",
+                                            "--dry-run", "--json"]))
     assert (full["head_vocab"], full["rank"], full["head_params_after"]) == (49152, 72, 72 * (49152 + 576))
     assert (draft["head_vocab"], draft["rank"], draft["head_params_before"]) == (8192, 64, 8192 * 576)
     assert draft["head_flops_after"] == 2 * 64 * (8192 + 576)
@@ -113,7 +113,7 @@ def test_a_plan_that_does_not_fit_is_refused_in_one_line(no_weights, monkeypatch
     """Catches a plan that is printed as fitting (exit 0) when the free-memory reader reports less than its peak,
     and a refusal that is a traceback or several lines."""
     monkeypatch.setattr(plan, "free_memory", lambda device: 50_000_000)
-    result = CliRunner().invoke(main, ["convert", DRAFTER, "--dry-run"])
+    result = CliRunner().invoke(main, ["convert", DRAFTER, "--distill-steps", "0", "--dry-run"])
     assert result.exit_code == 2, (result.output, result.exception)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: needs ~0.28 GB on cpu, 0.05 GB free"), lines
@@ -140,7 +140,7 @@ def test_a_gpu_plan_is_checked_against_the_gpus_free_memory(no_weights, monkeypa
 @pytest.mark.parametrize(("args", "needle"), [
     (["--rank", "600"], "0 < r < d = 576"),
     (["--rank", "auto"], "--dry-run plans one conversion"),
-    (["--lr", "1e-3"], "--lr would be ignored"),
+    (["--lr", "1e-3", "--distill-steps", "0"], "--lr would be ignored"),
 ])
 def test_dry_run_checks_the_options(no_weights, args, needle):
     """Catches a dry run that plans what the conversion refuses: a rank out of range for the drafter's d (known from
@@ -156,15 +156,15 @@ def test_dry_run_refuses_drafter_and_target_that_disagree(tmp_path, no_weights):
     write_drafter(tmp_path / "drafter", "eagle", Spec(vocab=301))
     write_target(tmp_path / "other-vocab", vocab=300)
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "drafter"), "-t", str(tmp_path / "other-vocab"),
-                                       "--vocab", "draft", "--dry-run"])
+                                       "--vocab", "draft", "--distill-steps", "0", "--dry-run"])
     assert result.exit_code == 2 and "vocab size mismatch" in result.stderr, result.output
     write_drafter(tmp_path / "narrow", "specforge", Spec(hidden=32, target_hidden=48))
     write_target(tmp_path / "wide", hidden=48)
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "narrow"), "-t", str(tmp_path / "wide"),
-                                       "--dry-run"])
+                                       "--distill-steps", "0", "--dry-run"])
     assert result.exit_code == 2 and "--vocab full needs drafter hidden (32) == target hidden (48)" in result.stderr
     ok = CliRunner().invoke(main, ["convert", str(tmp_path / "narrow"), "-t", str(tmp_path / "wide"), "--vocab",
-                                   "draft", "--rank", "8", "--dry-run", "--json"])
+                                   "draft", "--rank", "8", "--distill-steps", "0", "--dry-run", "--json"])
     assert _plan(ok)["head_vocab"] == 97 and _plan(ok)["target_hidden_size"] == 48
     _nothing_written(no_weights)
 
@@ -184,7 +184,7 @@ def test_hub_dry_run_downloads_only_configs_and_counts_the_head_shard(fake_hub, 
 
     meta = ("config.json", "tokenizer.json", "model.safetensors.index.json")
     head = _plan(CliRunner().invoke(main, ["convert", "org/drafter", "-t", "org/target", "--rank", "8",
-                                           "--dry-run", "--json"]))
+                                           "--distill-steps", "0", "--dry-run", "--json"]))
     assert head["download"]["drafter"] == size("org/drafter", "config.json", "model.safetensors")
     assert head["download"]["target"] == size("org/target", *meta, "model-00002-of-00002.safetensors")
     whole = _plan(CliRunner().invoke(main, ["convert", "org/drafter", "-t", "org/target", "--rank", "8",
@@ -201,7 +201,7 @@ def test_batch_dry_run_plans_every_job_and_runs_none(no_weights, monkeypatch):
     without their plan; and one that exits 0 when a job's plan does not fit."""
     work, _ = no_weights
     manifest = work.parent / "m.json"
-    manifest.write_text(json.dumps({"defaults": {"drafter": DRAFTER},
+    manifest.write_text(json.dumps({"defaults": {"drafter": DRAFTER, "distill_steps": 0},
                                     "jobs": [{"out": "a", "vocab": "draft"}, {"out": "b", "rank": "d/4"}]}))
     result = CliRunner().invoke(main, ["batch", str(manifest), "--dry-run"])
     assert result.exit_code == 0, (result.output, result.exception)
@@ -212,4 +212,18 @@ def test_batch_dry_run_plans_every_job_and_runs_none(no_weights, monkeypatch):
     result = CliRunner().invoke(main, ["batch", str(manifest), "--dry-run"])
     assert result.exit_code == 1
     assert all(json.loads(line)["status"] == "refused" for line in result.stdout.splitlines())
+    _nothing_written(no_weights)
+
+
+def test_dry_run_of_the_default_plans_its_distillation(no_weights):
+    """Catches a dry run of `convert DRAFTER` (no distillation option) that plans the plain SVD head while the
+    conversion distils by default: the plan must show the brief recipe's draft head, its 200 steps and the stages
+    that run the target, and say in one stderr line that it distils by default."""
+    result = CliRunner().invoke(main, ["convert", DRAFTER, "--dry-run", "--json"])
+    report = _plan(result)
+    assert report["reads_data"] and report["distill_steps"] == 200 and report["init"] == "whitened"
+    assert report["head_vocab"] == 8192 and report["target_reads"] == "all its weights"
+    assert {"teacher data", "distillation"} <= {s["stage"] for s in report["stages"]}
+    assert report["teacher_data"]["answer_tokens"] == 64
+    assert [line for line in result.stderr.splitlines() if "distilling by default" in line]
     _nothing_written(no_weights)

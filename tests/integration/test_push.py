@@ -92,7 +92,7 @@ def converted(tmp_path):
     write_drafter(tmp_path / "d", "eagle", Spec())
     write_target(tmp_path / "t")
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tmp_path / "t"), "--rank", "8",
-                                       "-o", str(tmp_path / "out"), "-q"])
+                                       "--distill-steps", "0", "-o", str(tmp_path / "out"), "-q"])
     assert result.exit_code == 0, result.output
     return tmp_path / "out"
 
@@ -150,7 +150,8 @@ def test_base_model_is_the_hub_source(hub, tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     result = CliRunner().invoke(main, ["convert", "yuhuili/EAGLE3-Tiny", "-t", str(tmp_path / "t"), "-r", "4",
-                                       "-o", str(tmp_path / "o"), "-q", "--push-to", "me/eagle3-tiny-slim"])
+                                       "--distill-steps", "0", "-o", str(tmp_path / "o"), "-q", "--push-to",
+                                       "me/eagle3-tiny-slim"])
     assert result.exit_code == 0, result.output
     _, files = _committed_files(hub)
     assert "base_model: yuhuili/EAGLE3-Tiny" in files["README.md"].decode()

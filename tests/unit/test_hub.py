@@ -41,7 +41,8 @@ def test_drafter_download_and_convert_by_hub_id(fake_hub, tmp_path):
     write_drafter(hub / "yuhuili" / "EAGLE3-Tiny", "eagle", Spec())
     (hub / "yuhuili" / "EAGLE3-Tiny" / "training_log.txt").write_text("not needed")
     write_target(hub / "org" / "target")
-    res = slimspec.convert_drafter("yuhuili/EAGLE3-Tiny", "org/target", "d/8", out=tmp_path / "o", progress=False)
+    res = slimspec.convert_drafter("yuhuili/EAGLE3-Tiny", "org/target", "d/8", out=tmp_path / "o",
+                                   distill_steps=0, progress=False)
     assert res.report["source"]["drafter"] == "yuhuili/EAGLE3-Tiny"
     assert calls[0][0] == "yuhuili/EAGLE3-Tiny"
     assert not any(p.name == "training_log.txt" for p in (tmp_path / "cache").rglob("*"))
@@ -121,9 +122,9 @@ def test_reconverting_keeps_the_pinned_target_revision(fake_hub, tmp_path):
     write_drafter(hub / "org" / "drafter", "eagle", Spec())
     write_target(hub / "org" / "target")
     first = slimspec.convert_drafter("org/drafter", "org/target", 8, out=tmp_path / "r8", target_revision="v1",
-                             progress=False).out
+                             distill_steps=0, progress=False).out
     calls.clear()
-    second = slimspec.convert_drafter(str(first), None, 4, out=tmp_path / "r4", progress=False).out
+    second = slimspec.convert_drafter(str(first), None, 4, out=tmp_path / "r4", distill_steps=0, progress=False).out
     assert [c[2] for c in calls if c[0] == "org/target"] and all(c[2] == "v1" for c in calls if c[0] == "org/target")
     config = json.loads((second / "config.json").read_text())
     assert config["slimspec"]["target"] == "org/target" and config["slimspec"]["target_revision"] == "v1"

@@ -52,7 +52,7 @@ def test_conversion_takes_the_tables_target_when_the_config_names_none(fake_hub,
     write_drafter(hub / EAGLE_8B, "eagle", Spec())
     assert load_drafter(hub / EAGLE_8B).named_target is None  # as published: the config names no target
     write_target(hub / LLAMA_8B)
-    res = slimspec.convert_drafter(EAGLE_8B, None, "d/8", out=tmp_path / "o", progress=True)
+    res = slimspec.convert_drafter(EAGLE_8B, None, "d/8", out=tmp_path / "o", distill_steps=0, progress=True)
     assert res.report["source"]["target"] == LLAMA_8B
     assert LLAMA_8B in [c[0] for c in calls]
     assert load_drafter(res.out).named_target == LLAMA_8B  # eval and distill of the output find it
@@ -65,7 +65,8 @@ def test_draft_vocab_conversion_records_the_tables_target(fake_hub, tmp_path):
     a local folder the table cannot match, so a later eval or distill of it would need --target."""
     hub, calls = fake_hub
     write_drafter(hub / EAGLE_8B, "eagle", Spec())
-    res = slimspec.convert_drafter(EAGLE_8B, None, 8, vocab="draft", out=tmp_path / "o", progress=False)
+    res = slimspec.convert_drafter(EAGLE_8B, None, 8, vocab="draft", out=tmp_path / "o",
+                                   distill_steps=0, progress=False)
     assert [c[0] for c in calls] == [EAGLE_8B] * len(calls)  # the target was not downloaded
     assert load_drafter(res.out).named_target == LLAMA_8B
 
@@ -75,13 +76,13 @@ def test_given_target_and_the_configs_own_target_win_over_the_table(fake_hub, tm
     hub, calls = fake_hub
     write_drafter(hub / EAGLE_8B, "eagle", Spec())
     write_target(hub / "org" / "other")
-    res = slimspec.convert_drafter(EAGLE_8B, "org/other", 8, out=tmp_path / "given", progress=False)
+    res = slimspec.convert_drafter(EAGLE_8B, "org/other", 8, out=tmp_path / "given", distill_steps=0, progress=False)
     assert res.report["source"]["target"] == "org/other" and LLAMA_8B not in [c[0] for c in calls]
 
     speculator = "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3"  # in the table; its config names its verifier
     write_drafter(hub / speculator, "speculators", Spec())
     write_target(hub / "some-org" / "target-model")
-    res = slimspec.convert_drafter(speculator, None, 8, out=tmp_path / "named", progress=False)
+    res = slimspec.convert_drafter(speculator, None, 8, out=tmp_path / "named", distill_steps=0, progress=False)
     assert res.report["source"]["target"] == "some-org/target-model" and LLAMA_8B not in [c[0] for c in calls]
 
 
@@ -91,7 +92,7 @@ def test_unknown_drafter_without_target_is_one_line_asking_for_target(fake_hub, 
     hub, _ = fake_hub
     write_drafter(hub / "org" / "drafter", "eagle", Spec())
     with pytest.raises(OptionError) as err:
-        slimspec.convert_drafter("org/drafter", None, 8, out=tmp_path / "o", progress=False)
+        slimspec.convert_drafter("org/drafter", None, 8, out=tmp_path / "o", distill_steps=0, progress=False)
     assert "--target" in err.value.render(lambda name: f"--{name}") and "\n" not in str(err.value)
 
 
@@ -132,3 +133,28 @@ def test_no_did_you_mean_when_the_repo_may_exist(monkeypatch, error):
         resolve_model("yuhuili/EAGLE3-LLaMA3.1-8B", "drafter")
     assert "cannot download" in str(err.value) and "did you mean" not in str(err.value)
 
+
+
+def test_default_distillation_without_a_target_says_how_to_go_on(fake_hub, tmp_path):
+    """Catches a drafter whose target cannot be resolved (its config names none, the table does not list it, no
+    --target) failing the default distillation in some other way than one line that offers --target or
+    --distill-steps 0 (the plain SVD head, which needs no target here), in the API, the CLI and its dry run."""
+    from click.testing import CliRunner
+
+    from slimspec.cli import main
+
+    hub, _ = fake_hub
+    write_drafter(hub / "org" / "drafter", "eagle", Spec())
+    with pytest.raises(OptionError) as err:
+        slimspec.convert_drafter("org/drafter", None, 8, out=tmp_path / "o", progress=False)
+    assert "add target TARGET, or distill_steps 0 for the plain SVD head" in str(err.value)
+    for extra in ([], ["--dry-run"]):
+        result = CliRunner().invoke(main, ["convert", "org/drafter", "-r", "8", "-o", str(tmp_path / "o"), "-q",
+                                           *extra])
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.exit_code == 2 and len(lines) == 1, result.output
+        assert lines[0].startswith("error: org/drafter names no target") and lines[0].endswith(
+            "add --target TARGET, or --distill-steps 0 for the plain SVD head"), lines[0]
+    ok = CliRunner().invoke(main, ["convert", "org/drafter", "-r", "8", "--vocab", "draft", "--distill-steps", "0",
+                                   "-o", str(tmp_path / "o"), "-q"])
+    assert ok.exit_code == 0, ok.output

@@ -22,7 +22,7 @@ from slimspec.workflows import convert as conversion
 from slimspec.workflows.job import conversion_job
 from slimspec.workflows.plan import conversion_plan
 from slimspec.workflows.publish import push
-from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_keys
+from slimspec.workflows.recipes import DEFAULT_RECIPE, UNDISTILLED_EXAMPLE, brief_keys, default_note
 
 DISTILL_DEFAULTS: dict[str, Any] = {"teacher": "target", "lr": 2e-3, "warmup_steps": 10, "batch_tokens": 2048,
                                     "ttt_steps": 3, "seed": 0, "bf16": False, "teacher_temperature": 1.0,
@@ -30,17 +30,21 @@ DISTILL_DEFAULTS: dict[str, Any] = {"teacher": "target", "lr": 2e-3, "warmup_ste
 """Distillation keys of a job and their values when absent (those of ``slimspec convert``'s options)."""
 JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "init", "distill_steps", "data",
             "num_prompts", "responses", "max_new_tokens", "overwrite", "push_to", "eval_prompts", "revision",
-            "generation_engine", "generation_dtype", "target_revision", "device", "recipe", *DISTILL_DEFAULTS}
+            "generation_engine", "generation_dtype", "target_revision", "device", "recipe", "feature_dtype",
+            "max_memory", "offload_folder", "shortlist", "hot_rows", *DISTILL_DEFAULTS}
 INT_KEYS = {"distill_steps": 0, "num_prompts": 0, "max_new_tokens": 1, "eval_prompts": 0,  # smallest value each
-            "warmup_steps": 0, "batch_tokens": 1, "ttt_steps": 1}
+            "warmup_steps": 0, "batch_tokens": 1, "ttt_steps": 1, "shortlist": 0, "hot_rows": 0}
 FLOAT_KEYS = {"lr": False, "teacher_temperature": False, "temperature": True}  # True: 0 allowed, else > 0
 CHOICES = {"vocab": choices.VOCABS, "stitch": choices.STITCHES, "init": choices.INITS,
            "dtype": (*choices.OUTPUT_DTYPES, None), "responses": choices.RESPONSES,
            "generation_engine": choices.GENERATION_ENGINES, "generation_dtype": choices.GENERATION_DTYPES,
+           "feature_dtype": choices.FEATURE_DTYPES,
            "teacher": choices.TEACHERS, "aux_convention": ("input", "output", None), "recipe": choices.RECIPES}
 NULLABLE_KEYS = {"target", "dtype", "data", "num_prompts", "revision", "target_revision", "out", "push_to", "device",
-                 "aux_layers", "aux_convention", "eval_prompts", "recipe"}
+                 "aux_layers", "aux_convention", "eval_prompts", "recipe", "max_memory", "offload_folder"}
 """Keys whose null means "not given"; any other null fails the manifest (a blank YAML value is null)."""
+BY_DEFAULT = "distils_by_default"
+"""Set (True) on a read job that gives neither ``recipe`` nor ``distill_steps``: the default recipe set its keys."""
 SETTING_DEFAULTS = {"rank": "d/8", "vocab": "full", "stitch": "target", "init": "auto", "distill_steps": 0,
                     "responses": "regenerate", "max_new_tokens": 128}
 """Values of SETTINGS a job may write out or leave out, alike."""
@@ -103,6 +107,9 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
             raise SlimSpecError(f"{path}: job {i + 1} is not a mapping")
         where = f"{path}: job {i + 1}"
         merged = {key: _expand_home(key, value) for key, value in {**defaults, **job}.items()}
+        by_default = merged.get("recipe") is None and "distill_steps" not in merged
+        if by_default:  # neither a recipe nor steps: the default recipe, as `slimspec convert` runs it
+            merged = {**merged, "recipe": DEFAULT_RECIPE}
         if merged.get("recipe") is not None:
             _check_values({"recipe": merged["recipe"]}, where)
             merged = {**recipe_keys(merged), **merged}  # what the job or the defaults give overrides the recipe
@@ -114,7 +121,7 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
         _check_values(merged, where)
         _check_job_reads(merged, set(job), where)
         merged.setdefault("name", merged.get("out") or f"job{i + 1}")
-        jobs.append(merged)
+        jobs.append({**merged, BY_DEFAULT: by_default})
     outs = [Path(str(job["out"])).resolve() for job in jobs if job.get("out")]
     shared = sorted({str(out) for out in outs if outs.count(out) > 1})
     if shared:  # each would replace the other's output, on every run
@@ -124,7 +131,7 @@ def read_manifest(path: Path) -> list[dict[str, Any]]:
 
 def _expand_home(key: str, value: Any) -> Any:
     """``~`` in a path a job names (drafter, target, out, data) is the home folder, as in a shell."""
-    if key in ("drafter", "target", "out") and isinstance(value, str):
+    if key in ("drafter", "target", "out", "offload_folder") and isinstance(value, str):
         return os.path.expanduser(value)
     if key == "data":
         return [os.path.expanduser(v) if isinstance(v, str) else v for v in value] if isinstance(value, list) \
@@ -193,6 +200,8 @@ def job_fingerprint(job: dict[str, Any]) -> str:
         payload["generation_engine"] = job["generation_engine"]
     if job.get("generation_dtype", "auto") != "auto":
         payload["generation_dtype"] = job["generation_dtype"]
+    if job.get("feature_dtype", "auto") != "auto":
+        payload["feature_dtype"] = job["feature_dtype"]
     if job.get("target_revision"):
         payload["target_revision"] = job["target_revision"]
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -266,11 +275,20 @@ def run_job(job: dict[str, Any]) -> JobResult:
                      distilled="distill" in report)
 
 
+def say_default(jobs: list[dict[str, Any]]) -> None:
+    """One line on stderr naming the jobs that distil by default (neither ``recipe`` nor ``distill_steps``)."""
+    names = [str(job["name"]) for job in jobs if job.get(BY_DEFAULT)]
+    if names:
+        print(f"{len(names)} job(s) without recipe or distill_steps ({', '.join(names)}): "
+              f"{default_note('distill_steps: 0', 'recipe: brief')}", file=sys.stderr, flush=True)
+
+
 def run_batch(manifest: Path, *, continue_on_error: bool = False, report_path: Path | None = None) -> list[JobResult]:
     """Run every job; a JSON line per job to ``report_path`` (or stdout), a progress line per job on stderr."""
     jobs = read_manifest(manifest)
     results: list[JobResult] = []
     sink = report_path.open("w") if report_path else sys.stdout
+    say_default(jobs)
     try:
         for i, job in enumerate(jobs):
             label = f"[{i + 1}/{len(jobs)}] {job['name']}"
@@ -301,8 +319,9 @@ def run_batch(manifest: Path, *, continue_on_error: bool = False, report_path: P
     undistilled = [r.job for r in results if r.distilled is False]
     if undistilled:
         warnings.warn(f"{len(undistilled)} job(s) not distilled ({', '.join(undistilled)}): a conversion without "
-                      f"distill_steps can lose most of the drafter's acceptance ({UNDISTILLED_EXAMPLE}); give them "
-                      "recipe: brief (the demo's brief distillation) or distill_steps", SlimSpecWarning, stacklevel=2)
+                      f"distillation can lose most of the drafter's acceptance ({UNDISTILLED_EXAMPLE}); without "
+                      "distill_steps: 0 a job runs recipe: brief (the demo's brief distillation)", SlimSpecWarning,
+                      stacklevel=2)
     return results
 
 
@@ -314,6 +333,7 @@ def plan_batch(manifest: Path, *, report_path: Path | None = None) -> list[dict[
     jobs = read_manifest(manifest)
     lines: list[dict[str, Any]] = []
     sink = report_path.open("w") if report_path else sys.stdout
+    say_default(jobs)
     try:
         for i, job in enumerate(jobs):
             fingerprint = job_fingerprint(job)

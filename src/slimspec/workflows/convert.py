@@ -46,10 +46,10 @@ from slimspec.distill.train import DistillConfig
 from slimspec.dtypes import dtype_name, torch_dtype
 from slimspec.errors import OptionError, SlimSpecError, SlimSpecWarning
 from slimspec.hub import resolve_model
-from slimspec.model import check_buildable, screen_cost
+from slimspec.model import check_buildable, screen_footprint
 from slimspec.progress import Stages
-from slimspec.workflows.job import ConvertJob
-from slimspec.workflows.recipes import BRIEF_TEACHER, BRIEF_VOCAB, brief_distillation
+from slimspec.workflows.job import ConvertJob, conversion_job
+from slimspec.workflows.recipes import BRIEF_TEACHER, BRIEF_VOCAB, brief_distillation, default_note
 
 
 @dataclass
@@ -73,7 +73,7 @@ def convert_drafter(
     data: str | list[str] | None = None,
     data_options: DataOptions | None = None,
     distill_config: DistillConfig | None = None,
-    distill_steps: int = 0,
+    distill_steps: int | None = None,
     extra_report: dict[str, Any] | None = None,
     **options: Any,
 ) -> ConvertResult:
@@ -83,18 +83,34 @@ def convert_drafter(
     ``revision`` / ``target_revision`` (Hub revisions), ``stitch`` (``--vocab full``: rows outside the draft vocab
     from the target's head, zeros, or the target's rows rescaled to the drafter's mean row norm), ``init``
     (``svd``, ``whitened``: activation-aware from calibration data, ``auto``: whitened when distilling),
-    ``progress``, ``verify_samples``. ``distill_steps`` > 0 then distils the pair against the target under
-    full-vocabulary KL (``data`` / ``data_options`` / ``distill_config`` as for ``slimspec distill``). Without
-    ``target``, a conversion that needs one takes the target the drafter names (embedded drafters: the embedded
-    target), else the one SlimSpec's table of published drafters lists for its Hub id (``checkpoint.known``).
-    Returns the output folder, the resolved rank and the report also written to ``slimspec.json``.
+    ``progress``, ``verify_samples``. Without ``distill_steps`` (and without ``data_options`` and
+    ``distill_config``) the pair is distilled as ``slimspec convert`` does by default: the brief recipe
+    (``recipe="brief"``), the options given overriding its own; ``distill_steps=0`` gives the plain SVD head;
+    ``distill_steps`` > 0 distils the pair against the target under full-vocabulary KL with ``data`` /
+    ``data_options`` / ``distill_config`` as for ``slimspec distill``. Without ``target``, a conversion that needs
+    one takes the target the drafter names (embedded drafters: the embedded target), else the one SlimSpec's table
+    of published drafters lists for its Hub id (``checkpoint.known``). Returns the output folder, the resolved rank
+    and the report also written to ``slimspec.json``.
     """
+    target = None if target is None else str(target)
+    out = None if out is None else Path(out)
+    if distill_steps is None:
+        if data_options is not None or distill_config is not None:
+            raise OptionError("{data_options} and {distill_config} describe a distillation of your own: give "
+                              "{distill_steps} with them (0: a whitened start alone); without all three, the "
+                              "default recipe sets them", "data_options", "distill_config", "distill_steps")
+        given = {name for name, value in (("target", target), ("data", data)) if value is not None} | set(options)
+        job = conversion_job({"drafter": str(drafter), "target": target, "data": data}, given, rank=rank, out=out,
+                             extra_report=dict(extra_report or {}), **options)
+        if job.distils_by_default:
+            Stages(job.progress).say(default_note("distill_steps=0", "recipe='brief'"))
+        return run_conversion(job)
     data_options = data_options or DataOptions()
     if data is not None:
         data_options = replace(data_options, data=data)
-    job = ConvertJob(drafter=str(drafter), target=None if target is None else str(target), rank=rank,
-                     out=None if out is None else Path(out), distill_steps=distill_steps, data_options=data_options,
-                     distill_config=replace(distill_config or DistillConfig(), steps=distill_steps),
+    job = ConvertJob(drafter=str(drafter), target=target, rank=rank, out=out, distill_steps=distill_steps,
+                     data_options=data_options, distill_config=replace(distill_config or DistillConfig(),
+                                                                       steps=distill_steps),
                      extra_report=dict(extra_report or {}), **options)
     return run_conversion(job)
 
@@ -110,6 +126,7 @@ def run_conversion(job: ConvertJob) -> ConvertResult:
     ckpt = inputs.ckpt
     weight, rows_from_drafter = stitched_head(ckpt, inputs.target_head, job.vocab, job.stitch)
     check_finite_head(weight, rows_from_drafter, job.vocab)
+    _check_screen_fits(job, weight.shape[0])
     r, out, spectra = _rank_and_output(job, inputs, weight, stages)
     source_rank = ckpt.tensors[LOWRANK_DOWN].shape[0] if ckpt.is_lowrank else None  # a SlimSpec output again
     # its head's rank, unless target rows were stitched beside its rows
@@ -125,8 +142,8 @@ def run_conversion(job: ConvertJob) -> ConvertResult:
     distill_report = None
     if job.reads_data:
         w_up, w_down, distill_report = _calibrate_and_distil(job, inputs, weight, r, w_up, w_down, d2t, stages)
+    hot_ids = torch.tensor((distill_report or {}).pop("hot_ids", []), dtype=torch.long)
     energy = {name: float(energy_curve(spectra[name])[r - 1]) for name in ("s2", "s2_centered")}
-    _check_screen_fits(job, weight.shape[0])
     out_dtype = output_dtype(job.dtype, ckpt)
     report = conversion_report(
         job, inputs, weight=weight, rank=r, rows_from_drafter=rows_from_drafter, source_rank=source_rank,
@@ -134,6 +151,11 @@ def run_conversion(job: ConvertJob) -> ConvertResult:
         error=relative_error(weight, w_up.float(), w_down.float()) if distill_report is not None else svd_err,
         out_dtype=out_dtype, init=job.resolved_init)
     report.update(distill_report or {})
+    if job.shortlist:
+        report["screen"] = screen_footprint(*weight.shape, r, job.shortlist, job.hot_rows,
+                                            torch.empty((), dtype=out_dtype).element_size())
+        report["head_params"] += weight.numel()
+        report["head_flop_ratio"] = report["screen"]["multiply_add_share"]
     report.update(job.extra_report)
     tensors = lowrank_tensors(ckpt, w_up, w_down, d2t, out_dtype, exact=weight if job.shortlist else None,
                               hot_ids=hot_ids)
@@ -144,7 +166,6 @@ def run_conversion(job: ConvertJob) -> ConvertResult:
                f"head FLOP ratio {report['head_flop_ratio']:.3f})")
     return ConvertResult(out=out, rank=r, report=report)
 
-    hot_ids = torch.tensor((distill_report or {}).pop("hot_ids", []), dtype=torch.long)
 
 def read_inputs(job: ConvertJob, stages: Stages) -> ConversionInputs:
     """Resolve and read the drafter, then the target its head needs (the given one, else the one it names, else the
@@ -153,10 +174,6 @@ def read_inputs(job: ConvertJob, stages: Stages) -> ConversionInputs:
         drafter_path = resolve_model(job.drafter, "drafter", job.revision)
         ckpt = load_drafter(drafter_path)
     if job.out is not None:
-    if job.shortlist:
-        report["screen"] = screen_report(job, r, *weight.shape, out_dtype)
-        report["head_params"] += weight.numel()
-        report["head_flop_ratio"] = report["screen"]["multiply_add_share"]
         check_not_the_source(job.out, drafter_path)
     ckpt.warn_unknown_dropped(job.drafter)
     if job.reads_data:  # both build the PyTorch drafter: refuse one it cannot build now
@@ -171,6 +188,8 @@ def read_inputs(job: ConvertJob, stages: Stages) -> ConversionInputs:
         elif (target := known_target(job.drafter)) is not None:
             stages.say(f"target {target} (the drafter names none: from SlimSpec's table of published drafters; "
                        "--target overrides)")
+    if target is None and job.reads_data:
+        raise job.no_target_error()
     target_revision = job.target_revision
     if target_revision is None and target is not None:  # a SlimSpec source's pinned target revision stays pinned
         target_revision = ckpt.target_revision_for(str(target))
@@ -213,6 +232,19 @@ def _rank_and_output(job: ConvertJob, inputs: ConversionInputs, weight: torch.Te
     return r, Path(out), spectra
 
 
+def default_out(job: ConvertJob, rank: int) -> Path:
+    """``./<drafter>-slimspec-r<r>`` (``-k<K>`` and ``-n<N>`` added for a screen-and-rescore head)."""
+    screen = (f"-k{job.shortlist}" if job.shortlist else "") + (f"-n{job.hot_rows}" if job.hot_rows else "")
+    return Path(f"{model_name(job.drafter)}-slimspec-r{rank}{screen}")
+
+
+def _check_screen_fits(job: ConvertJob, rows: int) -> None:
+    """A shortlist (and hot rows) no larger than the head's vocabulary."""
+    if job.shortlist + job.hot_rows > rows:
+        raise OptionError(f"{{shortlist}} {job.shortlist} + {{hot_rows}} {job.hot_rows} exceed the head's {rows} "
+                          "tokens", "shortlist", "hot_rows")
+
+
 def _check_rank_is_worth_it(r: int, rows: int, hidden: int, held: int | None) -> None:
     """Refuse a rank at or above ``held``, the rank of a head that is already a low-rank pair (a SlimSpec output
     converted again: a larger pair only adds zero directions); warn when the pair holds more weights than the full
@@ -230,33 +262,7 @@ def _calibrate_and_distil(job: ConvertJob, inputs: ConversionInputs, weight: tor
                           w_up: torch.Tensor, w_down: torch.Tensor, d2t: torch.Tensor | None, stages: Stages):
     """The whitened start (from calibration data) and ``distill_steps`` of distillation against the target."""
     if inputs.target is None:
-        raise SlimSpecError("a whitened start and distillation steps need a target")
-def default_out(job: ConvertJob, rank: int) -> Path:
-    """``./<drafter>-slimspec-r<r>`` (``-k<K>`` and ``-n<N>`` added for a screen-and-rescore head)."""
-    screen = (f"-k{job.shortlist}" if job.shortlist else "") + (f"-n{job.hot_rows}" if job.hot_rows else "")
-    return Path(f"{model_name(job.drafter)}-slimspec-r{rank}{screen}")
-
-
-def _check_screen_fits(job: ConvertJob, rows: int) -> None:
-    """A shortlist (and hot rows) no larger than the head's vocabulary."""
-    if job.shortlist + job.hot_rows > rows:
-        raise OptionError(f"{{shortlist}} {job.shortlist} + {{hot_rows}} {job.hot_rows} exceed the head's {rows} "
-                          "tokens", "shortlist", "hot_rows")
-
-
-def screen_report(job: ConvertJob, rank: int, rows: int, hidden: int, out_dtype: torch.dtype) -> dict[str, Any]:
-    """What a screen-and-rescore head costs: its multiply-add share of the full head, its size (the pair and the
-    exact rows it keeps), and the head bytes read per draft step at batch 1 and 64 (the pair, then at most the
-    distinct exact rows the batch rescores)."""
-    width = torch.empty((), dtype=out_dtype).element_size()
-    pair, scored = rank * (rows + hidden), job.shortlist + job.hot_rows
-    return {"shortlist": job.shortlist, "hot_rows": job.hot_rows,
-            "multiply_add_share": screen_cost(rows, hidden, rank, job.shortlist, job.hot_rows),
-            "head_bytes": (pair + rows * hidden) * width,
-            "bytes_read_per_step": {str(b): (pair + min(rows, b * scored) * hidden) * width for b in (1, 64)},
-            "full_head_bytes_read_per_step": rows * hidden * width}
-
-
+        raise job.no_target_error()
     init, steps = job.resolved_init, job.distill_steps
     config = replace(job.distill_config, steps=steps)
     with stages.stage("distill", f"calibration ({init} init) and {steps} distillation steps"):
@@ -354,6 +360,8 @@ def conversion_config(job: ConvertJob, inputs: ConversionInputs, rank: int, head
         meta["source_revision"] = job.revision
     if inputs.target_revision:
         meta["target_revision"] = inputs.target_revision
+    if job.shortlist:
+        meta.update({"head": SCREEN_HEAD, "shortlist": job.shortlist, "hot_rows": job.hot_rows})
     return drafter_config_json(ckpt.config, rank=rank, head_vocab=head_vocab, dtype=out_dtype, slimspec_meta=meta)
 
 
@@ -368,5 +376,3 @@ def convert_briefly(drafter: str | Path, target: str | Path | None, rank: str | 
         options = replace(options, generation_dtype="float32")
     return convert_drafter(drafter, target, rank, vocab=vocab, out=out, overwrite=overwrite, progress=progress,
                            distill_steps=config.steps, data_options=options, distill_config=config)
-    if job.shortlist:
-        meta.update({"head": SCREEN_HEAD, "shortlist": job.shortlist, "hot_rows": job.hot_rows})

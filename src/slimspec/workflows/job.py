@@ -21,20 +21,22 @@ from slimspec.distill.pipeline import DataOptions
 from slimspec.distill.train import DistillConfig
 from slimspec.dtypes import torch_dtype
 from slimspec.errors import OptionError, RankError
-from slimspec.hardware import resolve_device
+from slimspec.hardware import check_max_memory, resolve_device
 from slimspec.hub import HUB_ID
-from slimspec.workflows.recipes import brief_keys
+from slimspec.workflows.recipes import DEFAULT_RECIPE, brief_keys
 
 DATA_OPTIONS = {"data": None, "num_prompts": None, "responses": "regenerate", "max_new_tokens": 128,
                 "generation_engine": "transformers", "generation_dtype": "auto", "device": None,
-                "temperature": 0.0, "seed": 0, "aux_layers": None, "aux_convention": None}
-"""Options that shape the teacher data, and their defaults."""
+                "temperature": 0.0, "seed": 0, "aux_layers": None, "aux_convention": None,
+                "max_memory": None, "offload_folder": None, "feature_dtype": "auto"}
+"""Options that shape the teacher data (and where the target computes it), and their defaults."""
 DISTILL_OPTIONS = {"teacher": "target", "lr": 2e-3, "warmup_steps": 10, "batch_tokens": 2048, "ttt_steps": 3,
                    "bf16": False, "teacher_temperature": 1.0}
 """Options of the distillation loop (``DistillConfig`` fields; ``seed`` also seeds it), and their defaults."""
 UNREAD_WITHOUT_DATA = ("data", "num_prompts", "responses", "max_new_tokens", "temperature", "generation_engine",
-                       "generation_dtype", "aux_layers", "aux_convention", "teacher", "teacher_temperature",
-                       "ttt_steps", "lr", "warmup_steps", "batch_tokens", "seed", "bf16")
+                       "generation_dtype", "feature_dtype", "max_memory", "offload_folder", "aux_layers",
+                       "aux_convention", "teacher", "teacher_temperature", "ttt_steps", "lr", "warmup_steps",
+                       "batch_tokens", "seed", "bf16")
 """Options a conversion reads only when it computes teacher data (a whitened start or distillation steps), in the
 order ``--help`` lists them."""
 
@@ -59,6 +61,9 @@ class ConvertJob:
     data_options: DataOptions = field(default_factory=DataOptions)
     distill_config: DistillConfig = field(default_factory=DistillConfig)
     push_to: str | None = None
+    shortlist: int = 0  # screen and rescore: the pair's top K tokens rescored by the exact rows (0: the plain pair)
+    hot_rows: int = 0  # screen and rescore: the N most frequent draft tokens, always rescored
+    recipe: str | None = None  # the recipe that set the options not given (``brief``), if any
     given: frozenset[str] = frozenset()
     progress: bool = True
     verify_samples: int = 16
@@ -76,9 +81,24 @@ class ConvertJob:
         """Whether the conversion computes teacher data (a whitened start or distillation steps)."""
         return self.resolved_init != "svd" or self.distill_steps > 0
 
+    @property
+    def distils_by_default(self) -> bool:
+        """Whether the distillation is the default recipe's: no recipe and no ``distill_steps`` were given."""
+        return self.recipe is not None and not {"recipe", "distill_steps"} & self.given
+
+    def no_target_error(self) -> OptionError:
+        """The refusal of a conversion that reads teacher data but has no target to compute it with."""
+        if self.distils_by_default:
+            return OptionError(f"{self.drafter} names no target and SlimSpec's table of published drafters does "
+                               "not list it, so the default distillation has no target to compute its teacher data "
+                               "with: add {target} TARGET, or {distill_steps} 0 for the plain SVD head",
+                               "target", "distill_steps")
+        return OptionError("a whitened start and distillation steps need a target: add {target}", "target")
+
     def validate(self) -> None:
         """Refuse, in one line each, options no conversion can run with or that this one would ignore."""
         _check_choices(self)
+        _check_screen(self)
         _check_sources(self)
         _check_unread(self)
         rank = str(self.rank).strip()
@@ -91,6 +111,26 @@ class ConvertJob:
             if "singular values" not in str(exc):
                 raise
         resolve_device(self.data_options.device)  # an unusable device fails now, not after the first stages
+        placement = self.data_options.placement()  # so do malformed --max-memory budgets
+        if placement.max_memory is not None:
+            check_max_memory(placement.max_memory)
+
+
+def _check_screen(job: ConvertJob) -> None:
+    """Screen-and-rescore options: sizes >= 0, hot rows only beside a shortlist, the draft vocabulary, and hot rows
+    only where teacher data names the frequent tokens."""
+    for name in ("shortlist", "hot_rows"):
+        if getattr(job, name) < 0:
+            raise OptionError(f"{{{name}}} must be >= 0, got {getattr(job, name)}", name)
+    if job.hot_rows and not job.shortlist:
+        raise OptionError("{hot_rows} adds always-rescored tokens to a shortlist: give {shortlist} K too",
+                          "hot_rows", "shortlist")
+    if job.shortlist and job.vocab != "draft":
+        raise OptionError("{shortlist} rescores with the drafter's own head rows: use {vocab} draft (with {vocab} "
+                          "full the exact rows would be the target's whole head)", "shortlist", "vocab")
+    if job.hot_rows and not job.reads_data:
+        raise OptionError("{hot_rows} are the tokens most frequent in the target's answers to the calibration "
+                          "prompts: give {distill_steps} N (or {init} whitened)", "hot_rows", "distill_steps")
 
 
 def _check_choices(job: ConvertJob) -> None:
@@ -128,17 +168,25 @@ def _check_unread(job: ConvertJob) -> None:
     given = [name for name in UNREAD_WITHOUT_DATA if name in job.given]
     if job.init != "whitened" and given:
         fields = ", ".join(f"{{{name}}}" for name in given)
-        raise OptionError(f"this conversion reads no data (SVD start, no {{distill_steps}}), so {fields} would be "
-                          "ignored: add {distill_steps} N (or {init} whitened), or drop them",
+        raise OptionError(f"this conversion reads no data (SVD start, {{distill_steps}} 0), so {fields} would be "
+                          "ignored: give {distill_steps} N (or {init} whitened), or drop them",
                           "distill_steps", "init", *given)
     unread = [name for name in given if name in DISTILL_ONLY_OPTIONS]
     if unread:
-        raise OptionError(f"{', '.join(f'{{{name}}}' for name in unread)} only shape distillation steps: add "
+        raise OptionError(f"{', '.join(f'{{{name}}}' for name in unread)} only shape distillation steps: give "
                           "{distill_steps} N or drop them", "distill_steps", *unread)
 
 
+def distills_by_default(options: dict[str, Any]) -> bool:
+    """Whether a conversion's options leave its distillation to the default recipe (no recipe, no steps)."""
+    return options.get("recipe") is None and options.get("distill_steps") is None
+
+
 def with_recipe(options: dict[str, Any], given: Iterable[str]) -> dict[str, Any]:
-    """``recipe: brief``: the demo's brief distillation for every option not given (given ones override it)."""
+    """``recipe: brief``, and the default when neither a recipe nor ``distill_steps`` is given: the demo's brief
+    distillation for every option not given (given ones override it)."""
+    if distills_by_default(options):
+        options = {**options, "recipe": DEFAULT_RECIPE}
     if options.get("recipe") is None:
         return dict(options)
     keys = brief_keys(str(options["drafter"]), options.get("target"))
@@ -156,7 +204,9 @@ def data_options_from(options: dict[str, Any]) -> DataOptions:
                        aux_layers=value["aux_layers"], aux_convention=value["aux_convention"],
                        engine=value["generation_engine"],
                        generation_dtype=None if value["generation_dtype"] == "auto" else value["generation_dtype"],
-                       device=value["device"])
+                       device=value["device"], max_memory=value["max_memory"],
+                       offload_folder=None if value["offload_folder"] is None else str(value["offload_folder"]),
+                       feature_dtype=None if value["feature_dtype"] == "auto" else value["feature_dtype"])
 
 
 def distill_config_from(options: dict[str, Any], steps: int) -> DistillConfig:
@@ -167,12 +217,14 @@ def distill_config_from(options: dict[str, Any], steps: int) -> DistillConfig:
 
 def conversion_job(options: dict[str, Any], given: Iterable[str] = (), **settings: Any) -> ConvertJob:
     """The job of a conversion's options (option names as keys; ``recipe`` applied), not yet validated.
-    ``settings``: the job's other fields (``progress``, ``extra_report``, ``overwrite``, ...)."""
+    ``settings``: the job's other fields (``progress``, ``extra_report``, ``overwrite``, ...). Without a recipe
+    and without ``distill_steps``, the default recipe (:data:`DEFAULT_RECIPE`) sets the options not given."""
     given = frozenset(given)
     options = with_recipe(options, given)
     steps = int(options.get("distill_steps") or 0)
     fields = {name: options[name] for name in ("target", "rank", "vocab", "dtype", "overwrite", "revision",
-                                              "target_revision", "stitch", "init", "push_to")
+                                              "target_revision", "stitch", "init", "push_to", "recipe",
+                                              "shortlist", "hot_rows")
               if options.get(name) is not None}
     if options.get("out") is not None:
         fields["out"] = Path(options["out"])

@@ -477,7 +477,7 @@ def _resolve(job: ConvertJob) -> _Inputs:
     shape = drafter_shape(drafter)
     target, why = _select_target(job, shape)
     if target is None and job.reads_data:
-        raise SlimSpecError("a whitened start and distillation steps need a target")
+        raise job.no_target_error()
     if target is None and job.vocab == "full":
         raise OptionError("{vocab} full needs {target} (rows outside the draft vocab come from the target's head)",
                           "vocab", "target")
@@ -582,7 +582,7 @@ def conversion_plan(job: ConvertJob, out: Path | None = None) -> Plan:
         notes.append(f"target parameters ~{params:,}, counted from {counted}")
     else:
         notes.append("not distilled: a conversion without distillation steps can lose most of the drafter's "
-                     "acceptance (the demo's brief distillation: recipe brief)")
+                     "acceptance (without distill_steps, a conversion runs the demo's brief distillation)")
     _stage(stages, "write", "cpu", memory.write_bytes(held, head_vocab, d, r, out_element, rest),
            "+ output tensors (other tensors + pair in the output dtype)")
 

@@ -19,6 +19,17 @@ UNDISTILLED_EXAMPLE = ("the embedded drafter at d/8 keeps rho_tau 0.61 from the 
 BRIEF_TEACHER = "drafter"
 BRIEF_VOCAB = "draft"
 BRIEF_DISTILL_STEPS = BRIEF_RECIPES[BRIEF_TEACHER][1]
+DEFAULT_RECIPE = "brief"
+"""The recipe a conversion runs when it is given neither a recipe nor ``distill_steps``."""
+
+
+def default_note(no_distill: str, recipe: str) -> str:
+    """The line that says a conversion distils by default, and how to ask for the plain SVD head (``no_distill``,
+    e.g. ``--distill-steps 0``) in the caller's words (``recipe``: how the caller names the recipe)."""
+    prompts = BRIEF_RECIPES[BRIEF_TEACHER][0]
+    return (f"distilling by default ({recipe}): a whitened start, then {BRIEF_DISTILL_STEPS} steps against the "
+            f"drafter's own head on the target's 64-token answers to {prompts or 'the 300'} shipped calibration "
+            f"prompts, {BRIEF_VOCAB} vocabulary; options given override it; {no_distill} gives the plain SVD head")
 
 
 def brief_distillation(steps: int | None = None, teacher: str = BRIEF_TEACHER) -> tuple[DataOptions, DistillConfig]:
