@@ -188,3 +188,4 @@ def test_dispatch_and_validation():
     with pytest.raises(TypeError):
         screen.screen_rescore(h.double(), w_down, w_up, w_exact, K)
     assert screen.screen_share(32000, 4096, 256, 256) == pytest.approx((256 * 36096 + 256 * 4096) / (32000 * 4096))
+

@@ -40,6 +40,7 @@ __all__ = ["screen_rescore", "screen_rescore_reference", "screen_rescore_torch",
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # reused gather buffers, one per (device, dtype, hidden): the rows of the shortlist are copied into it each call
 _BUFFERS: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}
+_CHUNK_BYTES = 1 << 20  # rows gathered at once on the CPU: within a core's L2
 
 
 def screen_share(vocab: int, hidden: int, rank: int, shortlist: int, hot: int = 0) -> float:
@@ -97,15 +98,28 @@ def _gather_buffer(like: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def rescore_rows(hidden: torch.Tensor, w_exact: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """float32 [B, M]: ``hidden[b] . w_exact[ids[b, m]]``, the rows gathered into a reused buffer (no fresh copy)."""
+    """float32 [B, M]: ``hidden[b] . w_exact[ids[b, m]]`` with float32 accumulation.
+
+    On the CPU the rows are gathered a chunk at a time into a reused buffer that stays in the core's cache
+    (``_CHUNK_BYTES``) and multiplied there, so no fresh [B M, d] copy is made per call. Elsewhere, or where
+    autograd must see the gather, one indexed copy and a float32 product."""
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or w_exact.requires_grad)
+    if needs_grad or hidden.device.type != "cpu":
+        return torch.einsum("bkd,bd->bk", w_exact[ids].float(), hidden.float())
     batch, width = ids.shape
-    if torch.is_grad_enabled() and (hidden.requires_grad or w_exact.requires_grad):
-        rows = w_exact[ids.reshape(-1)]  # index_select(out=...) has no autograd
-    else:
-        rows = torch.index_select(w_exact, 0, ids.reshape(-1), out=_gather_buffer(w_exact, batch * width))
-    if batch == 1:
-        return F.linear(hidden, rows).float()
-    return torch.bmm(rows.view(batch, width, hidden.shape[1]), hidden.unsqueeze(-1)).squeeze(-1).float()
+    chunk = max(1, min(width, _CHUNK_BYTES // (hidden.shape[1] * w_exact.element_size())))
+    rows = _gather_buffer(w_exact, chunk)
+    wide = None if w_exact.dtype == torch.float32 else _gather_buffer(hidden.float(), chunk)
+    hidden32 = hidden.float()
+    out = torch.empty(batch, width, dtype=torch.float32)
+    for b in range(batch):
+        for start in range(0, width, chunk):
+            stop = min(start + chunk, width)
+            part = torch.index_select(w_exact, 0, ids[b, start:stop], out=rows[: stop - start])
+            if wide is not None:
+                part = wide[: stop - start].copy_(part)
+            torch.mv(part, hidden32[b], out=out[b, start:stop])
+    return out
 
 
 def screen_rescore_torch(hidden: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, w_exact: torch.Tensor,
@@ -115,10 +129,10 @@ def screen_rescore_torch(hidden: torch.Tensor, w_down: torch.Tensor, w_up: torch
     order of the BLAS (16-bit inputs: the screen is rounded to the weights' dtype before selection)."""
     check_inputs(hidden, w_down, w_up, w_exact, shortlist, hot_ids)
     screen = F.linear(F.linear(hidden, w_down), w_up)
-    ids = with_hot(topk_lower_ids(screen, shortlist), hot_ids)
+    ids = with_hot(topk_lower_ids(screen, shortlist), hot_ids).sort(dim=-1).values  # ascending: argmax = lower id
     exact = rescore_rows(hidden, w_exact, ids)
     logits = screen.scatter_(1, ids, exact.to(screen.dtype))
-    return shortlist_argmax(exact, ids), logits
+    return ids.gather(1, exact.argmax(dim=-1, keepdim=True)).squeeze(1), logits
 
 
 def screen_rescore_triton(hidden: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, w_exact: torch.Tensor,
