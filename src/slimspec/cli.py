@@ -31,7 +31,16 @@ from slimspec.inspection import inspect_drafter
 from slimspec.workflows import convert as conversion
 from slimspec.workflows import publish
 from slimspec.workflows.batch import plan_batch, run_batch
-from slimspec.workflows.bench import HeadShape, bench_head, checkpoint_head, kappa_and_speedup
+from slimspec.workflows.bench import (
+    PAY_MARGIN,
+    HeadShape,
+    ScreenOptions,
+    bench_head,
+    bench_screen,
+    checkpoint_head,
+    kappa_and_speedup,
+    stops_paying,
+)
 from slimspec.workflows.job import ConvertJob, conversion_job, data_options_from, distill_config_from
 from slimspec.workflows.plan import conversion_plan
 from slimspec.workflows.plane import build_plane, convert_rank_auto
@@ -222,7 +231,7 @@ RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "over
               help="--rank auto: the head's share of a draft+verify cycle (measure it with slimspec bench --kappa).")
 @click.option("--vocab", type=click.Choice(choices.VOCABS), default="full", show_default=True,
               help="full: head over the whole target vocabulary (draft rows from the drafter, the rest from the "
-                   "target's head); draft: keep the drafter's draft vocabulary and its d2t.")
+                   "target's head); draft: keep the drafter's draft vocabulary and its d2t (the default recipe's).")
 @click.option("--out", "-o", type=click.Path(path_type=Path),
               help="Output folder [default: ./<drafter-name>-slimspec-r<r>; --rank auto: -slimspec-auto].")
 @click.option("--dtype", type=click.Choice(choices.OUTPUT_DTYPES), help="Output dtype [default: the source's].")
@@ -269,8 +278,9 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
     By default the pair starts from the head's SVD (whitened on the drafter's activations) and is distilled with
     --recipe brief: the target answers the shipped calibration prompts, and the pair learns the drafter's own
     head on those states for 200 steps (docs/distillation.md; on an 8B drafter see BENCHMARKS.md for the time).
-    --distill-steps 0 (or --no-distill) writes the plain SVD head at once, which can lose much of the drafter's
-    acceptance.
+    Options left out then take the recipe's values (under --recipe), not the defaults shown below; options given
+    override them. --distill-steps N sets up a distillation of your own (the defaults below), and --distill-steps 0
+    (or --no-distill) writes the plain SVD head at once, which can lose much of the drafter's acceptance.
 
     \b
     Example:
@@ -676,11 +686,36 @@ def _check_ranks(drafter: str, ranks: list[str]) -> None:
               help="Where the heads (and, with --kappa, the drafter and the target) are timed: auto ($SLIMSPEC_DEVICE "
                    "if set, else a CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda or cuda:N. Time where "
                    "you serve.")
+@click.option("--shortlist", type=click.IntRange(min=1),
+              help="Also time the screen-and-rescore head with this shortlist K (the pair screens every token, the "
+                   "exact rows of its top K are rescored), and a trimmed head; default batches 1, 8 and 64.")
+@click.option("--hot-rows", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --shortlist: N hot tokens always rescored.")
+@click.option("--trim-rows", type=click.IntRange(min=1),
+              help="With --shortlist: rows of the trimmed head [default: the screen's multiply-add share of V].")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None, rank: int | None,
                   source_vocab: int | None, batches: tuple[int, ...], dtypes: tuple[str, ...], with_kappa: bool,
-                  target: str | None, rho_tau: float | None, device: str, as_json: bool) -> None:
-    """Head latency of the low-rank head vs the full one (nu), the FLOP floor, kappa and predicted rho_TPS."""
+                  target: str | None, rho_tau: float | None, device: str, shortlist: int | None, hot_rows: int,
+                  trim_rows: int | None, as_json: bool) -> None:
+    """Head latency of the low-rank head vs the full one (nu), the FLOP floor, kappa and predicted rho_TPS.
+
+    With --shortlist, the full head, the pair, the screen and rescore and a trimmed head are timed side by side
+    (interleaved rounds, medians; on the CPU with one torch thread, e.g. OMP_NUM_THREADS=1, the clock is the
+    thread's CPU time, which other jobs on a shared machine do not inflate), each as nu beside its multiply-add
+    share, and the batch size from which the screen stops paying is named.
+    """
+    if shortlist is not None:
+        if checkpoint or with_kappa:
+            raise click.UsageError("--shortlist times a head shape: give --vocab, --hidden and --rank, not a "
+                                   "CHECKPOINT or --kappa")
+        if vocab is None or hidden is None or rank is None:
+            raise click.UsageError("--shortlist needs --vocab, --hidden and --rank")
+        _bench_screen(HeadShape(vocab, hidden, rank), ScreenOptions(shortlist, hot_rows, trim_rows),
+                      batches or (1, 8, 64), dtypes or ("fp32",), device, as_json)
+        return
+    if hot_rows or trim_rows:
+        raise click.UsageError("--hot-rows and --trim-rows go with --shortlist")
     if checkpoint and any(x is not None for x in (vocab, hidden, rank)):
         raise click.UsageError("--vocab, --hidden and --rank describe a head without CHECKPOINT (it has its own)")
     if not with_kappa and (target is not None or rho_tau is not None):
@@ -719,6 +754,29 @@ def bench_command(checkpoint: str | None, vocab: int | None, hidden: int | None,
                    f"{k['target_verify_s'] * 1e3:.1f} ms)")
         click.echo(f"predicted rho_TPS = rho_tau (1 + kappa) / (1 + nu kappa) = {result['predicted_rho_tps']:.3f} "
                    f"(rho_tau {result['rho_tau']:.3f}{'' if head.rho_tau is not None else ', assumed'})")
+
+
+def _bench_screen(head: HeadShape, screen: ScreenOptions, batches: tuple[int, ...], dtypes: tuple[str, ...],
+                  device: str, as_json: bool) -> None:
+    """`slimspec bench head --shortlist K`: the screen's table and where it stops paying."""
+    rows = bench_screen(head, screen, batches=batches, dtypes=dtypes, device=device)
+    stops = stops_paying(rows)
+    if as_json:
+        click.echo(json.dumps({"head": rows, "stops_paying_at_batch": stops}))
+        return
+    first = rows[0]
+    click.echo(f"head V={head.vocab}, d={head.hidden}, r={head.rank}; screen K={screen.shortlist} N={screen.hot_rows}"
+               f"; trimmed head {first['trim_rows']} rows; greedy step, {first['clock']} clock, "
+               f"{first['threads']} torch thread(s) on {first['device']}; nu = time / the full head's (measured | "
+               "multiply-add share)")
+    click.echo(f"{'dtype':<10}{'batch':>6}{'full (ms)':>11}{'pair':>15}{'screen':>15}{'trimmed':>15}{'pays':>6}")
+    for r in rows:
+        click.echo(f"{r['dtype']:<10}{r['batch']:>6}{r['full_s'] * 1e3:>11.2f}"
+                   f"{r['nu']:>8.3f} |{r['flop_floor']:>5.3f}{r['screen_nu']:>8.3f} |{r['screen_share']:>5.3f}"
+                   f"{r['trim_nu']:>8.3f} |{r['trim_share']:>5.3f}{'yes' if r['screen_pays'] else 'no':>6}")
+    for dtype, batch in stops.items():
+        where = f"stops paying at batch {batch}" if batch else "pays at every batch size timed"
+        click.echo(f"{dtype}: the screen {where} (pays: measured nu within {PAY_MARGIN} of its multiply-add share)")
 
 
 @main.command(name="eval")
