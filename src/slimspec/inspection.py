@@ -7,13 +7,14 @@ from typing import Any
 
 import torch
 
-from slimspec.checkpoint.drafter import load_drafter
+from slimspec.checkpoint.drafter import SCREEN_EXACT, DrafterCheckpoint, load_drafter
 from slimspec.checkpoint.target import load_target_head
 from slimspec.convert.factorize import centered_gram, gram_matrix, squared_singular_values
 from slimspec.convert.pipeline import stitched_head, validate_against_target
 from slimspec.convert.rank import energy_curve
 from slimspec.errors import SlimSpecError
 from slimspec.hub import resolve_model
+from slimspec.model import screen_footprint
 
 MARKED_DIVISORS = (4, 8, 16)
 
@@ -38,6 +39,9 @@ def inspect_drafter(drafter: str, target: str | None = None, plot: str | Path | 
     }
     if ckpt.is_lowrank:
         info["rank"] = ckpt.rank
+    if ckpt.is_screen:
+        info["head"] = "screen and rescore"
+        info["screen"] = screen_costs(ckpt)
     spectra: dict[str, torch.Tensor] = {}
     target_head = None
     if target is not None:
@@ -66,6 +70,13 @@ def inspect_drafter(drafter: str, target: str | None = None, plot: str | Path | 
         curves = {**spectra, **{f"{name}, rows centred": s2 for name, s2 in centered.items()}}
         info["plot"] = str(plot_energy(curves, d, Path(plot), title=f"{drafter} ({ckpt.layout})"))
     return info
+
+
+def screen_costs(ckpt: DrafterCheckpoint) -> dict[str, Any]:
+    """A screen-and-rescore checkpoint's :func:`slimspec.model.screen_footprint`."""
+    rows, hidden = ckpt.tensors[SCREEN_EXACT].shape
+    return screen_footprint(rows, hidden, ckpt.rank, ckpt.shortlist, ckpt.hot_rows,
+                            ckpt.tensors[SCREEN_EXACT].element_size())
 
 
 def plot_energy(spectra: dict[str, torch.Tensor], hidden: int, path: Path, title: str) -> Path:

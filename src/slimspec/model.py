@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from slimspec.checkpoint.drafter import LOWRANK_DOWN, DrafterCheckpoint, DrafterConfig
+from slimspec.checkpoint.drafter import LOWRANK_DOWN, SCREEN_EXACT, SCREEN_HOT_IDS, DrafterCheckpoint, DrafterConfig
 from slimspec.checkpoint.target_model import TargetParts
 from slimspec.errors import CheckpointError
 
@@ -83,6 +83,10 @@ class FullHead(nn.Module):
     def forward(self, h: Tensor) -> Tensor:
         return F.linear(h, self.weight)
 
+    def greedy(self, h: Tensor) -> Tensor:
+        """The drafted token ids [...]: the argmax of the logits."""
+        return self.forward(h).argmax(-1)
+
     @property
     def weight_up(self) -> Tensor:
         return self.weight
@@ -115,6 +119,10 @@ class LowRankHead(nn.Module):
     def forward(self, h: Tensor) -> Tensor:
         return F.linear(F.linear(h, self.down), self.up)
 
+    def greedy(self, h: Tensor) -> Tensor:
+        """The drafted token ids [...]: the argmax of the logits."""
+        return self.forward(h).argmax(-1)
+
     @property
     def weight_up(self) -> Tensor:
         return self.up
@@ -135,13 +143,116 @@ class LowRankHead(nn.Module):
         return {"lm_head.weight": self.up, LOWRANK_DOWN: self.down}
 
 
-Head = FullHead | LowRankHead
+GATHER_ELEMENTS = 2**24
+"""Rows of exact weights gathered at once by :class:`ScreenRescoreHead` (bounds its memory on large batches)."""
 
 
-def head_from_tensors(tensors: dict[str, Tensor]) -> Head | None:
-    """The head a canonical tensor dict describes (low-rank when ``lm_head_down.weight`` is present)."""
+class ScreenRescoreHead(LowRankHead):
+    """Screen and rescore: the pair ``W_up [V, r] @ W_down [r, d]`` scores every token, the exact rows
+    ``W_exact [V, d]`` (the source head's, frozen) rescore its top ``shortlist`` tokens and the ``hot_ids``.
+
+    ``forward`` gives the two-level logits (exact on the shortlist, the pair's elsewhere); ``greedy`` the exact
+    argmax over the shortlist. The top-K and the argmax break ties toward the lower token id. Only the pair trains.
+    """
+
+    def __init__(self, up: Tensor, down: Tensor, exact: Tensor, shortlist: int, hot_ids: Tensor | None = None
+                 ) -> None:
+        super().__init__(up, down)
+        vocab = up.shape[0]
+        if exact.dim() != 2 or tuple(exact.shape) != (vocab, down.shape[1]):
+            raise ValueError(f"exact rows must be [{vocab}, {down.shape[1]}], got {list(exact.shape)}")
+        if not 1 <= shortlist <= vocab:
+            raise ValueError(f"shortlist must lie in [1, {vocab}], got {shortlist}")
+        hot = torch.zeros(0, dtype=torch.long) if hot_ids is None else hot_ids.detach().long().reshape(-1)
+        hot = torch.unique(hot.cpu())  # sorted, unique
+        if hot.numel() and (int(hot[0]) < 0 or int(hot[-1]) >= vocab):
+            raise ValueError(f"hot ids must lie in [0, {vocab})")
+        self.shortlist = int(shortlist)
+        self.register_buffer("exact", exact.detach().clone())
+        self.register_buffer("hot_ids", hot.to(up.device))
+
+    @property
+    def hot_rows(self) -> int:
+        return int(self.hot_ids.numel())
+
+    def screen(self, h: Tensor) -> Tensor:
+        """The pair's logits [..., V]."""
+        return super().forward(h)
+
+    def shortlist_ids(self, screen: Tensor) -> Tensor:
+        """Token ids rescored per row [..., K + N]: the screen's top K (ties to the lower id), then the hot ids."""
+        return screen_shortlist(screen, self.shortlist, self.hot_ids)
+
+    def exact_scores(self, h: Tensor, ids: Tensor) -> Tensor:
+        """``h . W_exact[ids]`` [..., M], gathered a bounded number of rows at a time."""
+        flat_h, flat_ids = h.reshape(-1, h.shape[-1]), ids.reshape(-1, ids.shape[-1])
+        step = max(1, GATHER_ELEMENTS // max(1, flat_ids.shape[1] * h.shape[-1]))
+        parts = [torch.bmm(self.exact[flat_ids[a:a + step]].to(h.dtype), flat_h[a:a + step, :, None])[..., 0]
+                 for a in range(0, flat_h.shape[0], step)]
+        return torch.cat(parts).reshape(ids.shape) if parts else h.new_zeros(ids.shape)
+
+    def forward(self, h: Tensor) -> Tensor:
+        screen = self.screen(h)
+        ids = self.shortlist_ids(screen)
+        return screen.scatter(-1, ids, self.exact_scores(h, ids).to(screen.dtype))
+
+    def greedy(self, h: Tensor) -> Tensor:
+        """The exact argmax over the shortlist [...], ties toward the lower token id."""
+        ids = self.shortlist_ids(self.screen(h))
+        scores = self.exact_scores(h, ids)
+        best = scores.amax(-1, keepdim=True)
+        return torch.where(scores == best, ids, self.up.shape[0]).amin(-1)
+
+    def multiply_add_share(self) -> float:
+        """Multiply-adds per token as a share of the full ``V x d`` head's: ``(r (V + d) + (K + N) d) / (V d)``."""
+        return screen_cost(self.up.shape[0], self.down.shape[1], self.rank, self.shortlist, self.hot_rows)
+
+    def canonical_tensors(self) -> dict[str, Tensor]:
+        out = {**super().canonical_tensors(), SCREEN_EXACT: self.exact}
+        if self.hot_rows:
+            out[SCREEN_HOT_IDS] = self.hot_ids
+        return out
+
+
+def screen_shortlist(screen: Tensor, shortlist: int, hot_ids: Tensor | None = None) -> Tensor:
+    """Ids [..., K + N] a screen rescores: the top ``shortlist`` of ``screen`` [..., V] (equal scores: the lower id
+    first), then ``hot_ids`` [N] (a token in both appears twice; its exact score is the same)."""
+    top = torch.sort(screen.detach(), dim=-1, descending=True, stable=True)[1][..., :shortlist]
+    if hot_ids is None or not hot_ids.numel():
+        return top
+    return torch.cat([top, hot_ids.to(top.device).expand(*top.shape[:-1], hot_ids.numel())], dim=-1)
+
+
+def screen_cost(vocab: int, hidden: int, rank: int, shortlist: int, hot_rows: int = 0) -> float:
+    """A screen-and-rescore head's multiply-adds per token as a share of the full ``vocab x hidden`` head's."""
+    return (rank * (vocab + hidden) + (shortlist + hot_rows) * hidden) / (vocab * hidden)
+
+
+def screen_footprint(vocab: int, hidden: int, rank: int, shortlist: int, hot_rows: int, width: int) -> dict:
+    """A screen-and-rescore head's shortlist, multiply-add share of the full head, size in bytes (the pair and the
+    exact rows it keeps), and head bytes read per draft step at batch 1 and 64 (the pair, then at most the distinct
+    exact rows the batch rescores), for weights of ``width`` bytes."""
+    pair, scored = rank * (vocab + hidden), shortlist + hot_rows
+    return {"shortlist": shortlist, "hot_rows": hot_rows,
+            "multiply_add_share": screen_cost(vocab, hidden, rank, shortlist, hot_rows),
+            "head_bytes": (pair + vocab * hidden) * width,
+            "bytes_read_per_step": {str(b): (pair + min(vocab, b * scored) * hidden) * width for b in (1, 64)},
+            "full_head_bytes_read_per_step": vocab * hidden * width}
+
+
+Head = FullHead | LowRankHead | ScreenRescoreHead
+
+
+def head_from_tensors(tensors: dict[str, Tensor], shortlist: int | None = None) -> Head | None:
+    """The head a canonical tensor dict describes: low-rank when ``lm_head_down.weight`` is present, screen and
+    rescore when ``lm_head_exact.weight`` is too (``shortlist``: K, from the config's ``slimspec`` block)."""
     if "lm_head.weight" not in tensors:
         return None
+    if LOWRANK_DOWN in tensors and SCREEN_EXACT in tensors:
+        if shortlist is None:
+            raise ValueError(f"{SCREEN_EXACT} needs the shortlist size (the config's slimspec.shortlist)")
+        return ScreenRescoreHead(tensors["lm_head.weight"], tensors[LOWRANK_DOWN], tensors[SCREEN_EXACT], shortlist,
+                                 tensors.get(SCREEN_HOT_IDS))
     if LOWRANK_DOWN in tensors:
         return LowRankHead(tensors["lm_head.weight"], tensors[LOWRANK_DOWN])
     return FullHead(tensors["lm_head.weight"])
@@ -392,7 +503,7 @@ class Eagle3Drafter(nn.Module):
         drafters that share the target's head and carry none)."""
         t = ckpt.tensors
         if head is None:
-            head = head_from_tensors(t)
+            head = head_from_tensors(t, ckpt.shortlist)
             if head is None:
                 raise ValueError("the checkpoint has no lm_head.weight: pass head= (e.g. the target's, as FullHead)")
         embed = t.get("embed_tokens.weight", embed_weight)
@@ -538,6 +649,13 @@ class Eagle3Drafter(nn.Module):
         if self.lm_head is None:
             raise ValueError("this drafter has no head")
         return self.lm_head(self.norm(h))
+
+    def draft_ids(self, h: Tensor) -> Tensor:
+        """Greedy draft-vocab ids of pre-norm outputs ``h``: the head's ``greedy`` (a screen's exact argmax over its
+        shortlist, which the argmax of its two-level logits may miss)."""
+        if self.lm_head is None:
+            raise ValueError("this drafter has no head")
+        return self.lm_head.greedy(self.norm(h))
 
     def next_hidden(self, h: Tensor) -> Tensor:
         """What the next draft step takes as ``hidden``: the pre-norm ``h``, or ``norm(h)`` if ``norm_output``

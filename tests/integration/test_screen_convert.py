@@ -48,6 +48,11 @@ def test_convert_writes_a_screen_head_that_reads_back(tmp_path):
     shortlist = model.lm_head.shortlist_ids(model.lm_head.screen(h))
     assert torch.equal(exact, shortlist.gather(1, full.gather(1, shortlist).argmax(1, keepdim=True))[:, 0])
     assert torch.equal(model.canonical_state_dict()["lm_head_exact.weight"], written["lm_head.weight"])
+    shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "o")])
+    assert shown.exit_code == 0, shown.output
+    assert "head: screen and rescore" in shown.stdout and "exact rows rescore its top 9" in shown.stdout
+    info = json.loads(CliRunner().invoke(main, ["inspect", str(tmp_path / "o"), "--json"]).stdout)
+    assert info["screen"] == report["screen"] and info["screen"]["head_bytes"] == (r * (v + d) + v * d) * 4
 
 
 @pytest.mark.parametrize("args, message", [

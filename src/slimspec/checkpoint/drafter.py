@@ -21,6 +21,11 @@ from slimspec.errors import CheckpointError, SlimSpecWarning
 
 LAYOUTS = ("eagle", "specforge", "speculators", "modelopt", "angelslim", "slimspec")
 LOWRANK_DOWN = "lm_head_down.weight"  # SlimSpec: lm_head.weight is W_up [V, r], this is W_down [r, d]
+# SlimSpec screen and rescore: the exact rows [V, d] (draft order) rescoring the pair's shortlist, and the draft ids
+# always rescored (int64 [N], sorted; absent when N = 0); the config's slimspec block holds head, shortlist, hot_rows
+SCREEN_EXACT = "lm_head_exact.weight"
+SCREEN_HOT_IDS = "lm_head_hot_ids"
+SCREEN_HEAD = "screen_rescore"
 
 # Tensors of the EAGLE-3 decoder layer (after the prefix), required unless marked optional.
 LAYER_TENSORS = (
@@ -177,11 +182,29 @@ class DrafterCheckpoint:
     def rank(self) -> int | None:
         return int(self.tensors[LOWRANK_DOWN].shape[0]) if self.is_lowrank else None
 
+    @property
+    def is_screen(self) -> bool:
+        """A screen-and-rescore head: the pair plus exact rows for its shortlist."""
+        return self.is_lowrank and SCREEN_EXACT in self.tensors
+
+    @property
+    def shortlist(self) -> int | None:
+        """K, the pair's top tokens a screen head rescores (None for other heads)."""
+        return int(self.recorded("shortlist")) if self.is_screen else None
+
+    @property
+    def hot_rows(self) -> int:
+        """N, the tokens a screen head always rescores (0 for other heads)."""
+        hot = self.tensors.get(SCREEN_HOT_IDS)
+        return int(hot.numel()) if hot is not None else 0
+
     def head_weight(self) -> torch.Tensor | None:
         """The drafter's head as one ``[Vd, d]`` matrix (``W_up @ W_down`` for a SlimSpec head)."""
         if not self.has_head:
             return None
         head = self.tensors["lm_head.weight"]
+        if self.is_screen:  # the exact rows: the source head the screen shortlists for
+            return self.tensors[SCREEN_EXACT]
         if self.is_lowrank:
             return head.float() @ self.tensors[LOWRANK_DOWN].float()
         return head
@@ -247,7 +270,7 @@ def _canonical_name(name: str) -> str | None:
         known = rest in LATER_LAYER_TENSORS or rest in OPTIONAL_LAYER_TENSORS or rest in BIAS_TENSORS
         return name if known else None
     if name in ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
-                "input_norm.weight", LOWRANK_DOWN, MASK_HIDDEN):
+                "input_norm.weight", LOWRANK_DOWN, MASK_HIDDEN, SCREEN_EXACT, SCREEN_HOT_IDS):
         return name
     if name.startswith("fc_norm.") and name.endswith(".weight"):
         return name
@@ -514,6 +537,7 @@ def _check_shapes(cfg: DrafterConfig, t: dict[str, torch.Tensor], where: Path) -
         if "lm_head.weight" not in t or t[LOWRANK_DOWN].dim() != 2:
             raise CheckpointError(f"{where}: a low-rank head needs lm_head.weight and {LOWRANK_DOWN}")
         expected["lm_head.weight"] = (cfg.draft_vocab_size, t[LOWRANK_DOWN].shape[0])
+    _check_screen(cfg, t, where)
     for i in range(1, cfg.num_layers):  # later layers read the hidden state alone
         p = layer_prefix(i)
         expected.update({p + name.removeprefix("midlayer."): shape for name, shape in expected.items()
@@ -539,6 +563,38 @@ def _check_shapes(cfg: DrafterConfig, t: dict[str, torch.Tensor], where: Path) -
         raise CheckpointError(
             f"{where}: draft vocab {cfg.draft_vocab_size} differs from vocab {cfg.vocab_size} but there is no d2t"
         )
+
+
+def _check_screen(cfg: DrafterConfig, t: dict[str, torch.Tensor], where: Path) -> None:
+    """A screen head's exact rows and hot ids against the config and the pair."""
+    if SCREEN_HOT_IDS in t and SCREEN_EXACT not in t:
+        raise CheckpointError(f"{where}: {SCREEN_HOT_IDS} without {SCREEN_EXACT}")
+    if SCREEN_EXACT not in t:
+        return
+    if LOWRANK_DOWN not in t:
+        raise CheckpointError(f"{where}: {SCREEN_EXACT} needs the low-rank pair (lm_head.weight, {LOWRANK_DOWN})")
+    if tuple(t[SCREEN_EXACT].shape) != (cfg.draft_vocab_size, cfg.hidden_size):
+        raise CheckpointError(f"{where}: {SCREEN_EXACT} has shape {list(t[SCREEN_EXACT].shape)}, config implies "
+                              f"{[cfg.draft_vocab_size, cfg.hidden_size]}")
+    hot = t.get(SCREEN_HOT_IDS)
+    if hot is not None and (hot.dim() != 1 or hot.is_floating_point() or hot.numel() and (
+            int(hot.min()) < 0 or int(hot.max()) >= cfg.draft_vocab_size or hot.unique().numel() != hot.numel())):
+        raise CheckpointError(f"{where}: {SCREEN_HOT_IDS} must be distinct draft ids in [0, {cfg.draft_vocab_size})")
+
+
+def _check_screen_config(raw: dict[str, Any], t: dict[str, torch.Tensor], where: Path) -> None:
+    """The ``slimspec`` block of a screen head names it and a shortlist that fits the vocabulary."""
+    if SCREEN_EXACT not in t:
+        return
+    meta = raw.get("slimspec") if isinstance(raw.get("slimspec"), dict) else {}
+    k, vocab = meta.get("shortlist"), t[SCREEN_EXACT].shape[0]
+    if meta.get("head") != SCREEN_HEAD or not isinstance(k, int) or not 1 <= k <= vocab:
+        raise CheckpointError(f"{where}: {SCREEN_EXACT} needs config.json's slimspec block to hold "
+                              f"\"head\": \"{SCREEN_HEAD}\" and an integer \"shortlist\" in [1, {vocab}]")
+    hot = t.get(SCREEN_HOT_IDS)
+    if meta.get("hot_rows", 0) != (0 if hot is None else hot.numel()):
+        raise CheckpointError(f"{where}: slimspec.hot_rows {meta.get('hot_rows')} but {SCREEN_HOT_IDS} holds "
+                              f"{0 if hot is None else hot.numel()} ids")
 
 
 def _refuse_unbuilt_biases(served: dict[str, Any], model_type: str) -> None:
@@ -681,6 +737,7 @@ def load_drafter(folder: str | Path) -> DrafterCheckpoint:
         dropped.append(mapping["input_norm.weight"])
     _check_biases(cfg, set(tensors), folder)
     _check_shapes(cfg, tensors, folder)
+    _check_screen_config(raw, tensors, folder)
     return DrafterCheckpoint(
         layout=layout,
         config=cfg,

@@ -237,6 +237,15 @@ def lowrank_checkpoint(ckpt: DrafterCheckpoint, w_up: torch.Tensor, w_down: torc
     return replace(ckpt, tensors=tensors, config=replace(ckpt.config, draft_vocab_size=int(w_up.shape[0])))
 
 
+def hot_rows_of(ckpt: DrafterCheckpoint, teacher: TeacherData, rows: int, count: int) -> torch.Tensor:
+    """The ``count`` head rows (sorted) whose tokens are most frequent in the teacher data's answers (ties: the lower
+    row); a head of one row per target token in target order, else in draft order."""
+    targets = torch.arange(rows) if rows == ckpt.config.vocab_size else ckpt.draft_to_target_ids()
+    counts = torch.bincount(teacher.response_ids().long(), minlength=ckpt.config.vocab_size).double()[targets]
+    order = torch.argsort(-(counts - torch.arange(rows, dtype=torch.float64) * 1e-9))
+    return torch.sort(order[:count]).values
+
+
 def activation_covariance(features, chunk: int = 65536) -> torch.Tensor:
     """``sum_t w_t h_t h_t^T`` (float64) over every TTT step's normed drafter outputs (the head's real inputs).
 
@@ -256,15 +265,6 @@ def init_and_distill(
     ckpt: DrafterCheckpoint,
     weight: torch.Tensor,
     rank: int,
-def hot_rows_of(ckpt: DrafterCheckpoint, teacher: TeacherData, rows: int, count: int) -> torch.Tensor:
-    """The ``count`` head rows (sorted) whose tokens are most frequent in the teacher data's answers (ties: the lower
-    row); a head of one row per target token in target order, else in draft order."""
-    targets = torch.arange(rows) if rows == ckpt.config.vocab_size else ckpt.draft_to_target_ids()
-    counts = torch.bincount(teacher.response_ids().long(), minlength=ckpt.config.vocab_size).double()[targets]
-    order = torch.argsort(-(counts - torch.arange(rows, dtype=torch.float64) * 1e-9))
-    return torch.sort(order[:count]).values
-
-
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     d2t: torch.Tensor | None,
@@ -273,6 +273,7 @@ def hot_rows_of(ckpt: DrafterCheckpoint, teacher: TeacherData, rows: int, count:
     cfg: DistillConfig,
     init: str,
     progress: bool,
+    screen: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Step-0 KL of the SVD and whitened starts side by side, pick ``init``, then ``cfg.steps`` of distillation.
 
@@ -294,7 +295,13 @@ def hot_rows_of(ckpt: DrafterCheckpoint, teacher: TeacherData, rows: int, count:
     if init == "whitened":
         cov = activation_covariance(student_features(drafter, teacher, train_idx, cfg.ttt_steps))
         starts["whitened"] = tuple(t.float() for t in factorize_whitened(weight.float(), rank, cov))
-    screen: tuple[int, int] | None = None,
+    hot = hot_rows_of(ckpt, teacher, weight.shape[0], screen[1]) if screen else None
+
+    def make_head(up: torch.Tensor, down: torch.Tensor) -> LowRankHead:
+        if screen is None:
+            return LowRankHead(up.clone(), down.clone()).to(device)
+        return ScreenRescoreHead(up.clone(), down.clone(), weight.float(), screen[0], hot).to(device)
+
     report["init_kl"] = {}
     for name, (up, down) in starts.items():
         drafter.lm_head = make_head(up, down)
@@ -308,17 +315,10 @@ def hot_rows_of(ckpt: DrafterCheckpoint, teacher: TeacherData, rows: int, count:
     up, down = starts[init]
     drafter.lm_head = make_head(up, down)
     report["init"] = init
+    if hot is not None:
+        report["hot_ids"] = hot.tolist()
     if cfg.steps > 0:
         result = train_drafter(drafter, teacher, teacher_head, cfg, progress=progress)
         report["distill"] = {**result.summary(), "data": asdict(options)}
     head = drafter.lm_head
     return head.weight_up.detach().cpu(), head.weight_down.detach().cpu(), report
-    hot = hot_rows_of(ckpt, teacher, weight.shape[0], screen[1]) if screen else None
-
-    def make_head(up: torch.Tensor, down: torch.Tensor) -> LowRankHead:
-        if screen is None:
-            return LowRankHead(up.clone(), down.clone()).to(device)
-        return ScreenRescoreHead(up.clone(), down.clone(), weight.float(), screen[0], hot).to(device)
-
-    if hot is not None:
-        report["hot_ids"] = hot.tolist()
