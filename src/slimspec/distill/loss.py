@@ -385,7 +385,7 @@ def _two_level_chunk(h: Tensor, w_down: Tensor, w_up: Tensor, w_exact: Tensor, h
     """sum_t coef_t KL(p_t || q_t) of one token chunk; ``teacher`` [n, V] its logits (or log-probabilities)."""
     screen = (h @ w_down.T) @ w_up.T
     ids = screen_shortlist(screen, shortlist, hot_ids)
-    exact = (h @ w_exact.to(h.dtype).T).gather(-1, ids)
+    exact = torch.bmm(w_exact[ids].to(h.dtype), h[:, :, None])[..., 0]  # only the shortlist's rows
     log_q = torch.log_softmax(screen.scatter(-1, ids, exact), dim=-1)
     log_p = teacher if log_probs else torch.log_softmax(teacher, dim=-1)
     p = log_p.exp()
@@ -422,8 +422,10 @@ def two_level_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, w_exact: 
         teacher_logits = teacher_logits[keep] if teacher_logits is not None else None
         tokens = keep.numel()
     total = (student_hidden.sum() * 0 + (w_down.sum() + w_up.sum()) * 0).to(cdtype)
-    # about six [n, V] tensors live per chunk (screen, exact, logits, log q, teacher, p)
-    chunk = token_chunk or max(1, _pick_token_chunk(tokens, vocab, cdtype) // 3)
+    # about five [n, V] tensors live per chunk (screen, logits, log q, teacher, p) and the [n, K + N, d] exact rows
+    rows = shortlist + (0 if hot_ids is None else hot_ids.numel())
+    chunk = token_chunk or max(1, min(_pick_token_chunk(tokens, vocab, cdtype) // 3,
+                                      BUFFER_BYTES // (8 * rows * student_hidden.shape[1])))
     h_all, down, up = student_hidden.to(cdtype), w_down.to(cdtype), w_up.to(cdtype)
     for a in range(0, tokens, chunk):
         with torch.no_grad():
