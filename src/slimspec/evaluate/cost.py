@@ -133,3 +133,84 @@ def measure_kappa(target, drafter, *, full_head_rows: int | None = None, draft_t
     if drafter.lm_head.rank is not None:
         result["lowrank_head_s"] = best_time(lambda: drafter.logits(h).argmax(-1), repeats=repeats, sync=sync)
     return result
+
+
+def side_by_side(fns: dict[str, Callable[[], Any]], *, rounds: int = 9, warmup: int = 2, sample_seconds: float = 0.05,
+                 sync: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> dict[str, dict[str, float]]:
+    """Seconds per call of each fn and its time as a share of the first fn's, timed in interleaved rounds (each
+    round times every fn once, in a rotating order), both as medians over the rounds: on a shared machine the
+    ratios of one round see the same load. ``clock``: wall time by default; ``time.thread_time`` (the calling
+    thread's CPU time) ignores the time other jobs hold the core, for single-threaded CPU work (:func:`cpu_clock`)."""
+    sync = sync or (lambda: None)
+    inner = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        sync()
+        start = clock()
+        fn()
+        sync()
+        inner[name] = max(1, int(sample_seconds / max(clock() - start, 1e-7)))
+    names = list(fns)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            sync()
+            start = clock()
+            for _ in range(inner[name]):
+                fns[name]()
+            sync()
+            seconds[name].append((clock() - start) / inner[name])
+    first = seconds[names[0]]
+    return {name: {"s": _median(times), "share": _median([t / f for t, f in zip(times, first, strict=True)])}
+            for name, times in seconds.items()}
+
+
+def cpu_clock(device: torch.device | str) -> Callable[[], float] | None:
+    """``time.thread_time`` where it measures the work: the CPU with torch on one thread (``OMP_NUM_THREADS=1`` or
+    ``torch.set_num_threads(1)``); None (wall time) elsewhere."""
+    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return None
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+@torch.no_grad()
+def screen_head_latency(vocab: int, hidden: int, rank: int, shortlist: int, *, hot_rows: int = 0,
+                        trim_rows: int | None = None, batch: int = 1, dtype: torch.dtype = torch.float32,
+                        rounds: int = 9, seed: int = 0, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Greedy head steps timed side by side: the full ``[V, d]`` head (logits + argmax), the plain pair, the screen
+    and rescore (``slimspec.kernels.screen_rescore``: its Triton path on a GPU, the fast torch path on the CPU;
+    the exact rows are the full head's, as in a converted drafter) and a trimmed head of ``trim_rows`` rows
+    (default: the screen's multiply-add share of V). Each time is also given as nu, a share of the full head's."""
+    from slimspec.kernels.screen import screen_rescore, screen_share
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(vocab, hidden, generator=g).to(device=device, dtype=dtype)
+    up = torch.randn(vocab, rank, generator=g).to(device=device, dtype=dtype)
+    down = torch.randn(rank, hidden, generator=g).to(device=device, dtype=dtype)
+    h = torch.randn(batch, hidden, generator=g).to(device=device, dtype=dtype)
+    hot = torch.arange(hot_rows, device=device) if hot_rows else None
+    share = screen_share(vocab, hidden, rank, shortlist, hot_rows)
+    trim_rows = min(vocab, trim_rows or max(1, round(share * vocab)))
+    trimmed = w[:trim_rows]
+    timed = side_by_side({
+        "full": lambda: torch.argmax(h @ w.T, dim=-1),
+        "lowrank": lambda: torch.argmax((h @ down.T) @ up.T, dim=-1),
+        "screen": lambda: screen_rescore(h, down, up, w, shortlist, hot),
+        "trim": lambda: torch.argmax(h @ trimmed.T, dim=-1),
+    }, rounds=rounds, sync=synchronizer(device), clock=cpu_clock(device) or time.perf_counter)
+    return {"full_s": timed["full"]["s"], "lowrank_s": timed["lowrank"]["s"], "nu": timed["lowrank"]["share"],
+            "flop_floor": flop_floor(vocab, hidden, rank), "screen_s": timed["screen"]["s"],
+            "screen_nu": timed["screen"]["share"], "screen_share": share, "trim_s": timed["trim"]["s"],
+            "trim_nu": timed["trim"]["share"], "trim_rows": trim_rows, "trim_share": trim_rows / vocab,
+            "shortlist": shortlist, "hot_rows": hot_rows, "vocab": vocab, "source_vocab": vocab, "hidden": hidden,
+            "rank": rank, "batch": batch, "dtype": str(dtype).removeprefix("torch."),
+            "device": str(torch.device(device)), "threads": torch.get_num_threads(),
+            "clock": "thread cpu" if cpu_clock(device) else "wall"}

@@ -12,7 +12,7 @@ from slimspec.checkpoint.target_model import load_target_model
 from slimspec.dtypes import torch_dtype
 from slimspec.errors import OptionError
 from slimspec.evaluate.acceptance import load_for_eval
-from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup
+from slimspec.evaluate.cost import head_latency, measure_kappa, predicted_speedup, screen_head_latency
 from slimspec.hardware import resolve_device
 from slimspec.hub import resolve_model
 
@@ -42,6 +42,49 @@ def checkpoint_head(checkpoint: str, source_vocab: int | None = None, rho_tau: f
     source_vocab = source_vocab or saved.get("head_rows_source") or (saved.get("head_params_source", 0) // hidden
                                                                     or None)
     return HeadShape(up.shape[0], hidden, down.shape[0], source_vocab, rho_tau or saved.get("rho_tau"))
+
+
+@dataclass(frozen=True)
+class ScreenOptions:
+    """The screen-and-rescore head timed beside the pair: its shortlist K, hot rows N, and the rows of the trimmed
+    head compared with it (None: the screen's multiply-add share of V)."""
+
+    shortlist: int
+    hot_rows: int = 0
+    trim_rows: int | None = None
+
+
+PAY_MARGIN = 0.03
+"""The screen pays at a batch size while its measured nu stays within this of its multiply-add share."""
+
+
+def bench_screen(head: HeadShape, screen: ScreenOptions, *, batches: tuple[int, ...] = (1, 8, 64),
+                 dtypes: tuple[str, ...] = ("fp32",), device: str | None = None) -> list[dict[str, Any]]:
+    """The full head, the pair, the screen and rescore and a trimmed head timed side by side at each dtype and batch
+    size; each row says whether the screen pays there (nu within ``PAY_MARGIN`` of its multiply-add share)."""
+    if screen.shortlist > head.vocab:
+        raise OptionError(f"--shortlist {screen.shortlist} exceeds the head's {head.vocab} rows")
+    where = resolve_device(device)
+    rows = []
+    for dtype in dtypes:
+        for batch in batches:
+            row = screen_head_latency(head.vocab, head.hidden, head.rank, screen.shortlist,
+                                      hot_rows=screen.hot_rows, trim_rows=screen.trim_rows, batch=batch,
+                                      dtype=torch_dtype(dtype), device=where)
+            row["screen_pays"] = row["screen_nu"] <= row["screen_share"] + PAY_MARGIN
+            rows.append(row)
+    return rows
+
+
+def stops_paying(rows: list[dict[str, Any]]) -> dict[str, int | None]:
+    """Per dtype, the smallest timed batch size from which on the screen no longer pays (None: it pays at every
+    one timed)."""
+    result: dict[str, int | None] = {}
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        timed = sorted((r for r in rows if r["dtype"] == dtype), key=lambda r: r["batch"])
+        paying = [r["screen_pays"] for r in timed]
+        result[dtype] = next((r["batch"] for i, r in enumerate(timed) if not any(paying[i:])), None)
+    return result
 
 
 def bench_head(head: HeadShape, *, batches: tuple[int, ...] = (1, 64), dtypes: tuple[str, ...] = ("fp32",),
