@@ -43,7 +43,7 @@ from slimspec.workflows.bench import (
 )
 from slimspec.workflows.job import ConvertJob, conversion_job, data_options_from, distill_config_from
 from slimspec.workflows.plan import conversion_plan
-from slimspec.workflows.plane import build_plane, convert_rank_auto
+from slimspec.workflows.plane import AUTO_SCREENS, build_plane, convert_rank_auto, parse_screen
 from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_command, default_note
 
 
@@ -363,6 +363,7 @@ def _convert_rank_auto(ctx: click.Context, options: dict, kappa: float, quiet: b
     target = options["target"] or target_of(drafter)
     out = options["out"] or Path(f"{model_name(drafter)}-slimspec-auto")
     convert_rank_auto(drafter, target, out, kappa=kappa, vocab=options["vocab"],
+                      screens=AUTO_SCREENS if options["vocab"] == "draft" else (),
                       distill_steps=60 if options["distill_steps"] is None else options["distill_steps"],
                       calibration_prompts=job.data_options.num_prompts or 64,
                       overwrite=options["overwrite"], progress=not quiet, device=job.data_options.device)
@@ -588,6 +589,9 @@ def bench_group() -> None:
               help="SlimSpec head vocabularies (comma separated): full (stitched target vocabulary) and/or draft "
                    "(the drafter's own; skipped if it has none).")
 @click.option("--trim-sizes", default="1024,4096", show_default=True, help="Vocabulary-trimming sizes.")
+@click.option("--screens", default="16:240", show_default=True,
+              help="Screen-and-rescore points over the draft vocabulary (comma separated rank:shortlist[:hot_rows]; "
+                   "'' for none), each distilled like the ranks under its two-level KL.")
 @click.option("--distill-steps", type=click.IntRange(min=0), default=60, show_default=True,
               help="Head-only distillation steps of each SlimSpec point (the drafter teacher).")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=8, show_default=True,
@@ -604,9 +608,9 @@ def bench_group() -> None:
                    "if set, else a CUDA GPU when PyTorch sees one, else the CPU), cpu, cuda or cuda:N; the head "
                    "latencies (nu) are timed there too.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
-def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_sizes: str, distill_steps: int,
-                num_prompts: int, max_new_tokens: int, kappas: str, calibration_prompts: int, out: Path,
-                device: str, as_json: bool) -> None:
+def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_sizes: str, screens: str,
+                distill_steps: int, num_prompts: int, max_new_tokens: int, kappas: str, calibration_prompts: int,
+                out: Path, device: str, as_json: bool) -> None:
     """Points (nu, rho_tau) for the full head, SlimSpec ranks and vocabulary trims; PNG + markdown table."""
     from slimspec.plotting import pyplot
 
@@ -617,10 +621,13 @@ def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_
     sizes = _number_list(trim_sizes, int, "--trim-sizes")
     curves = _number_list(kappas, float, "--kappa")
     _check_ranks(drafter, ranks.split(","))
+    screen_specs = [spec for spec in screens.split(",") if spec]
+    for spec in screen_specs:
+        _check_ranks(drafter, [parse_screen(spec)[0]])
     if target is None:
         target = target_of(drafter)
     points = build_plane(drafter, target, out, ranks=tuple(ranks.split(",")), vocabs=tuple(vocabs.split(",")),
-                         trim_sizes=tuple(sizes), distill_steps=distill_steps,
+                         trim_sizes=tuple(sizes), screens=tuple(screen_specs), distill_steps=distill_steps,
                          num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                          calibration_prompts=calibration_prompts, device=device)
     report = plane_report(points, tuple(curves), out, f"{drafter} on {target}")
@@ -628,6 +635,7 @@ def bench_plane(drafter: str, target: str | None, ranks: str, vocabs: str, trim_
         click.echo(json.dumps(report))
         return
     click.echo("\n".join(report["table"]))
+    click.echo("\n".join(["", *report["share_table"]]))
     click.echo(f"plot: {report['png']}")
 
 

@@ -19,18 +19,31 @@ from slimspec.evaluate.cost import predicted_speedup
 @dataclass
 class PlanePoint:
     name: str
-    kind: str  # full | slimspec | vocabtrim | frspec
+    kind: str  # full | slimspec | screen | vocabtrim | frspec
     nu: float
     tau: float
     rho_tau: float
     head_params: int
     folder: str
+    share: float | None = None  # multiply-adds per token as a share of the full head's (None: not recorded)
 
 
 def best_rank(points: list[PlanePoint], kappa: float) -> PlanePoint:
-    """The SlimSpec point with the highest predicted rho_TPS at ``kappa`` (``--rank auto``)."""
-    candidates = [p for p in points if p.kind == "slimspec"]
+    """The SlimSpec point (a plain pair or a screen) with the highest predicted rho_TPS at ``kappa``
+    (``--rank auto``)."""
+    candidates = [p for p in points if p.kind in ("slimspec", "screen")]
     return max(candidates, key=lambda p: predicted_speedup(p.rho_tau, p.nu, kappa))
+
+
+def share_table(points: list[PlanePoint], kappas: tuple[float, ...]) -> list[str]:
+    """The plane by multiply-add share: rho_TPS predicted with nu = the share (a head bound by its multiply-adds or
+    the bytes it reads), for the points that record one."""
+    head = "| head | multiply-add share | rho_tau | " + " | ".join(f"rho_TPS @ kappa {k}" for k in kappas) + " |"
+    lines = [head, "|" + "---|" * (3 + len(kappas))]
+    for p in sorted((p for p in points if p.share is not None), key=lambda p: p.share):
+        cells = " | ".join(f"{predicted_speedup(p.rho_tau, p.share, k):.3f}" for k in kappas)
+        lines.append(f"| {p.name} | {p.share:.3f} | {p.rho_tau:.3f} | {cells} |")
+    return lines
 
 
 def plane_table(points: list[PlanePoint], kappas: tuple[float, ...]) -> list[str]:
@@ -51,7 +64,7 @@ def plot_plane(points: list[PlanePoint], kappas: tuple[float, ...], path: Path, 
     nus = np.linspace(0, 1.05, 100)
     for k in kappas:
         ax.plot(nus, (1 + nus * k) / (1 + k), ls="--", lw=0.8, label=f"rho_TPS = 1 at kappa {k}")
-    markers = {"full": "s", "slimspec": "o", "vocabtrim": "^", "frspec": "v"}
+    markers = {"full": "s", "slimspec": "o", "screen": "D", "vocabtrim": "^", "frspec": "v"}
     for p in points:
         ax.plot(p.nu, p.rho_tau, markers[p.kind], ms=7)
         ax.annotate(p.name, (p.nu, p.rho_tau), textcoords="offset points", xytext=(5, 4), fontsize=8)
@@ -68,8 +81,9 @@ def plot_plane(points: list[PlanePoint], kappas: tuple[float, ...], path: Path, 
 
 def plane_report(points: list[PlanePoint], kappas: tuple[float, ...], out_dir: Path, title: str) -> dict[str, Any]:
     table = plane_table(points, kappas)
-    (out_dir / "plane.md").write_text("\n".join(table) + "\n")
+    by_share = share_table(points, kappas)
+    (out_dir / "plane.md").write_text("\n".join(table) + "\n\n" + "\n".join(by_share) + "\n")
     png = plot_plane(points, kappas, out_dir / "plane.png", title)
-    return {"table": table, "png": str(png), "points": [asdict(p) for p in points]}
+    return {"table": table, "share_table": by_share, "png": str(png), "points": [asdict(p) for p in points]}
 
 

@@ -15,8 +15,9 @@ from slimspec.checkpoint.target_model import load_target_parts
 from slimspec.checkpoint.writer import check_output_free, temporary_sibling
 from slimspec.convert.pipeline import check_not_the_source
 from slimspec.distill.scratch import scratch_teacher
+from slimspec.errors import OptionError
 from slimspec.evaluate.acceptance import evaluate
-from slimspec.evaluate.cost import full_head_seconds, head_latency, predicted_speedup
+from slimspec.evaluate.cost import full_head_seconds, head_latency, predicted_speedup, screen_head_latency
 from slimspec.evaluate.plane import PlanePoint, best_rank
 from slimspec.evaluate.trim import token_counts, trimmed_ids, write_trimmed
 from slimspec.hardware import resolve_device
@@ -34,6 +35,7 @@ def build_plane(
     ranks: tuple[str, ...] = ("d/4", "d/8", "d/16"),
     vocabs: tuple[str, ...] = ("full",),
     trim_sizes: tuple[int, ...] = (1024, 4096),
+    screens: tuple[str, ...] = (),
     distill_steps: int = 60,
     num_prompts: int = 8,
     max_new_tokens: int = 96,
@@ -45,7 +47,10 @@ def build_plane(
     """Measure every point of the plane, side by side in one run.
 
     SlimSpec points: each rank in ``ranks`` for each head vocabulary in ``vocabs`` (``full``: the stitched
-    whole target vocabulary; ``draft``: the drafter's own draft vocabulary, skipped if it has none).
+    whole target vocabulary; ``draft``: the drafter's own draft vocabulary, skipped if it has none). Screen points:
+    each ``r:K`` or ``r:K:N`` in ``screens`` (r an integer or ``d/N``) is a screen-and-rescore head over the draft
+    vocabulary, distilled like the ranks (under its two-level KL), timed by ``screen_head_latency``. Every point
+    records its multiply-add share of the full head (``PlanePoint.share``).
 
     ``calibration_prompts`` shipped prompts (answers regenerated, 64 tokens) serve both the distillation of
     each rank and the VocabTrim token counts (the target's own generations). ``base_tau``: the original
@@ -68,7 +73,7 @@ def build_plane(
 
     if base_tau is None:
         base_tau = tau_of(str(source))
-    points = [PlanePoint("full head", "full", 1.0, base_tau, 1.0, vd * d, str(source))]
+    points = [PlanePoint("full head", "full", 1.0, base_tau, 1.0, vd * d, str(source), 1.0)]
     vocabs = tuple(v for v in vocabs if v == "full" or vd < ckpt.config.vocab_size) or ("full",)
     for vocab in vocabs:
         for rank in ranks:
@@ -79,7 +84,17 @@ def build_plane(
             tau = tau_of(str(res.out))
             label = f"SlimSpec r={rank}" + (" (draft vocab)" if vocab == "draft" and len(vocabs) > 1 else "")
             points.append(PlanePoint(label, "slimspec", nu, tau, tau / base_tau, res.report["head_params"],
-                                     str(res.out)))
+                                     str(res.out), res.report["head_flop_ratio"]))
+    for spec in screens:
+        rank, shortlist, hot = parse_screen(spec)
+        res = convert_drafter(str(source), target, rank, vocab="draft", overwrite=True, distill_steps=distill_steps,
+                              out=out_dir / f"screen-{spec.replace('/', '_').replace(':', '-')}", data_options=options,
+                              distill_config=replace(recipe), progress=progress, shortlist=shortlist, hot_rows=hot)
+        nu = screen_head_latency(vd, d, res.rank, shortlist, hot_rows=hot, device=where)["screen_nu"]
+        tau = tau_of(str(res.out))
+        label = f"Screen r={res.rank} K={shortlist}" + (f" N={hot}" if hot else "")
+        points.append(PlanePoint(label, "screen", nu, tau, tau / base_tau, res.report["head_params"], str(res.out),
+                                 res.report["screen"]["multiply_add_share"]))
     sizes = [size for size in trim_sizes if size < vd]
     if sizes:
         counts = _token_counts(ckpt, load_target_parts(target), options, progress)
@@ -88,9 +103,30 @@ def build_plane(
             nu = full_head_seconds(size, d, device=where) / full_head_seconds(vd, d, device=where)
             tau = tau_of(str(folder))
             label = "VocabTrim" if kind == "vocabtrim" else "FR-Spec"
-            points.append(PlanePoint(f"{label} {size}", kind, nu, tau, tau / base_tau, size * d, str(folder)))
+            points.append(PlanePoint(f"{label} {size}", kind, nu, tau, tau / base_tau, size * d, str(folder),
+                                     size / vd))
     (out_dir / "plane.json").write_text(json.dumps([asdict(p) for p in points], indent=2))
     return points
+
+
+AUTO_SCREENS = ("16:240",)
+"""The screen-and-rescore candidates ``convert --rank auto --vocab draft`` measures beside the plain ranks: rank 16,
+the top 240 rescored, 0.059 of the full head's multiply-adds on the embedded drafter (docs/research.md)."""
+
+
+def parse_screen(spec: str) -> tuple[str, int, int]:
+    """``r:K`` or ``r:K:N`` -> (the rank spec, K, N)."""
+    parts = spec.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        shortlist, hot = int(parts[1]), int(parts[2]) if len(parts) == 3 else 0
+    except ValueError:
+        raise OptionError(f"{{screens}} takes rank:shortlist[:hot_rows] (e.g. 16:240), got {spec!r}",
+                          "screens") from None
+    if shortlist < 1 or hot < 0:
+        raise OptionError(f"{{screens}} {spec!r}: the shortlist must be >= 1 and hot rows >= 0", "screens")
+    return parts[0], shortlist, hot
 
 
 def _token_counts(ckpt, parts, options, progress: bool) -> dict[str, torch.Tensor]:
@@ -107,17 +143,19 @@ def _token_counts(ckpt, parts, options, progress: bool) -> dict[str, torch.Tenso
 
 def convert_rank_auto(drafter: str, target: str, out: Path, *, kappa: float,
                       ranks: tuple[str, ...] = ("d/4", "d/8", "d/16", "d/32"), vocab: str = "full",
+                      screens: tuple[str, ...] = (),
                       distill_steps: int = 60, num_prompts: int = 8, max_new_tokens: int = 96,
                       calibration_prompts: int | None = 64, overwrite: bool = False, progress: bool = True,
                       device: str | None = None) -> tuple[PlanePoint, list[PlanePoint]]:
-    """``--rank auto``: measure nu(r) and rho_tau(r) for each candidate rank (each briefly distilled) and keep
-    the one with the highest predicted rho_TPS at ``kappa``. The paper leaves r manual; this is ours."""
+    """``--rank auto``: measure nu(r) and rho_tau(r) for each candidate rank (each briefly distilled) and each
+    screen-and-rescore candidate in ``screens`` (``r:K[:N]``, draft vocabulary), and keep the one with the highest
+    predicted rho_TPS at ``kappa``. The paper leaves r manual; this is ours."""
     source = str(resolve_model(drafter, "drafter"))
     check_not_the_source(out, source)  # the chosen rank replaces ``out`` at the end
     check_output_free(out, overwrite)
     tmp = temporary_sibling(out, "auto-")  # the candidates: a killed run's are swept by the next run
     try:
-        points = build_plane(drafter, target, tmp, ranks=ranks, vocabs=(vocab,), trim_sizes=(),
+        points = build_plane(drafter, target, tmp, ranks=ranks, vocabs=(vocab,), trim_sizes=(), screens=screens,
                              distill_steps=distill_steps,
                              num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                              calibration_prompts=calibration_prompts, progress=progress, device=device)
