@@ -101,17 +101,19 @@ def main() -> int:
 
 def print_plane(drafter: str, target: str, ev: dict, lat: dict, report: dict, out: Path, kappa: float,
                 args: argparse.Namespace, calibration_prompts: int | None) -> None:
-    """The acceptance-cost plane: this conversion next to VocabTrim/FR-Spec 4096 measured the same way."""
+    """The acceptance-cost plane: this conversion next to the screen-and-rescore head and VocabTrim/FR-Spec 4096
+    measured the same way."""
     from slimspec.evaluate.plane import PlanePoint, plane_table, plot_plane
-    from slimspec.workflows.plane import build_plane
+    from slimspec.workflows.plane import AUTO_SCREENS, build_plane
 
-    print("[demo] acceptance-cost plane: trimming baselines at the same settings ...", file=sys.stderr)
-    points = build_plane(drafter, target, OUT / "plane", ranks=(), trim_sizes=(4096,),
+    print("[demo] acceptance-cost plane: screen and rescore, trimming baselines at the same settings ...",
+          file=sys.stderr)
+    points = build_plane(drafter, target, OUT / "plane", ranks=(), trim_sizes=(4096,), screens=AUTO_SCREENS,
                          num_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens,
                          calibration_prompts=calibration_prompts,  # VocabTrim counts from the teacher data above
                          base_tau=ev["baseline"]["tau"], progress=False)
     points.insert(1, PlanePoint("SlimSpec r=d/8 (above)", "slimspec", lat["nu"], ev["tau"], ev["rho_tau"],
-                                report["head_params"], str(out)))
+                                report["head_params"], str(out), report["head_flop_ratio"]))
     kappas = tuple(sorted({round(kappa, 3), 0.25, 1.0}))  # the measured one and two heavier heads
     print(f"\nAcceptance-cost plane (mt_bench x{ev['num_prompts']}; rho_TPS = rho_tau (1+kappa)/(1+nu kappa))")
     for line in plane_table(points, kappas):
