@@ -34,8 +34,8 @@ from slimspec.kernels.dispatch import _on_device, _resolve
 from slimspec.kernels.reference import lowrank_logits_fp32
 from slimspec.kernels.shortlist import shortlist_argmax, topk_lower_ids, with_hot
 
-__all__ = ["screen_rescore", "screen_rescore_reference", "screen_rescore_torch", "screen_rescore_triton",
-           "screen_share", "shortlist_argmax", "topk_lower_ids", "with_hot"]
+__all__ = ["rescore_screen", "screen_rescore", "screen_rescore_reference", "screen_rescore_torch",
+           "screen_rescore_triton", "screen_share", "served_logits", "shortlist_argmax", "topk_lower_ids", "with_hot"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # reused gather buffers, one per (device, dtype, hidden): the rows of the shortlist are copied into it each call
@@ -153,3 +153,35 @@ def screen_rescore(hidden: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tenso
     if _resolve(backend, hidden, hidden, w_down, w_up, w_exact) == "triton":
         return screen_rescore_triton(hidden, w_down, w_up, w_exact, shortlist, hot_ids)
     return screen_rescore_torch(hidden, w_down, w_up, w_exact, shortlist, hot_ids)
+
+
+def rescore_screen(hidden: torch.Tensor, screen: torch.Tensor, w_exact: torch.Tensor, shortlist: int,
+                   hot_ids: torch.Tensor | None = None, *, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selection and exact rescoring of a screen the caller computed (e.g. with vLLM's own layers): ``screen`` is
+    float32 [B, V] and becomes the two-level logits in place, the exact values being ``scale * h . w_exact[id]``.
+    Returns (tokens [B] int64, the two-level logits). The gathered Triton kernel runs where Triton does (forward
+    only), the chunked torch rescoring elsewhere."""
+    if screen.dtype != torch.float32 or screen.shape != (hidden.shape[0], w_exact.shape[0]):
+        raise ValueError(f"screen must be float32 [B, V] = [{hidden.shape[0]}, {w_exact.shape[0]}], got "
+                         f"{screen.dtype} {tuple(screen.shape)}")
+    ids = with_hot(topk_lower_ids(screen, shortlist), hot_ids)
+    if _resolve("auto", hidden) == "triton" and scale == 1.0:
+        from slimspec.kernels import triton_screen
+
+        with _on_device(hidden):
+            return triton_screen.rescore(hidden, w_exact, ids, screen), screen
+    ids = ids.sort(dim=-1).values
+    exact = rescore_rows(hidden, w_exact, ids) * scale
+    screen.scatter_(1, ids, exact)
+    return ids.gather(1, exact.argmax(dim=-1, keepdim=True)).squeeze(1), screen
+
+
+def served_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Two-level logits whose argmax is ``tokens`` (in place): every other value at or above the token's is set
+    to the largest float below it. A screen value outside the shortlist can exceed every exact value of it; an
+    engine that drafts ``argmax(logits)`` then still drafts the shortlist's exact argmax."""
+    best = logits.gather(1, tokens[:, None])
+    below = torch.nextafter(best, torch.full_like(best, float("-inf")))
+    over = logits >= best
+    over.scatter_(1, tokens[:, None], False)
+    return logits.masked_scatter_(over, below.expand_as(logits)[over])

@@ -23,22 +23,27 @@ def shortlist_argmax(exact: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def topk_lower_ids(screen: torch.Tensor, k: int) -> torch.Tensor:
     """int64 [B, k]: ids of each row's k largest values, equal values at the k-th place taken lowest id first.
 
-    ``torch.topk`` (a radix select on CUDA; a partial sort on the CPU, which measured faster there than a sampled
-    threshold followed by a top-k of the ~2k values that pass it) does the work; where a row has more values equal
-    to its k-th largest than the top k holds, that row's picks are redone by threshold: every value above the k-th
-    largest, then the lowest ids among those equal to it.
+    ``torch.topk`` of k + 1 (a radix select on CUDA; a partial sort on the CPU, which measured faster there than a
+    sampled threshold followed by a top-k of the ~2k values that pass it) does the work: where the (k+1)-th largest
+    value is below the k-th, dropping it leaves the top k. Where they are equal, the picks of the tied rows are
+    redone by threshold: every value above the k-th largest, then the lowest ids among those equal to it.
     """
-    values, ids = torch.topk(screen, k, dim=-1, sorted=False)
+    batch, vocab = screen.shape
+    if k >= vocab:
+        return torch.arange(vocab, device=screen.device).expand(batch, vocab)
+    values, ids = torch.topk(screen, k + 1, dim=-1, sorted=False)
+    next_value, next_at = values.min(dim=-1, keepdim=True)  # the (k+1)-th largest
+    keep = torch.ones_like(values, dtype=torch.bool).scatter_(1, next_at, False)
+    values, ids = values[keep].view(batch, k), ids[keep].view(batch, k)
     kth = values.min(dim=-1, keepdim=True).values
-    ties = (screen == kth).sum(dim=-1) > (values == kth).sum(dim=-1)
+    ties = (kth == next_value).squeeze(1)
     if not bool(ties.any()):
         return ids
     rows = ties.nonzero().flatten()
     part, threshold = screen[rows], kth[rows]
     equal = part == threshold
     room = k - (part > threshold).sum(dim=-1, keepdim=True)
-    keep = (part > threshold) | (equal & (equal.cumsum(dim=-1) <= room))
+    chosen = (part > threshold) | (equal & (equal.cumsum(dim=-1) <= room))
     ids = ids.clone()
-    ids[rows] = keep.nonzero()[:, 1].view(len(rows), k)
+    ids[rows] = chosen.nonzero()[:, 1].view(len(rows), k)
     return ids
-

@@ -11,6 +11,15 @@ is vLLM's code. The head:
   vLLM's loader does not prefix it with ``model.``);
 - logits = ``W_up (W_down h)``, then the parent's ``d2t`` scatter when the head covers a trimmed vocab.
 
+A screen-and-rescore checkpoint (config ``"slimspec": {"head": "screen_rescore", "shortlist": K, "hot_rows": N}``)
+adds ``lm_head_exact`` (the exact rows ``W_exact [V_head, d]``) and, when N > 0, the buffer ``lm_head_hot_ids``: the
+pair screens every draft token, the exact rows of its top K and of the hot ids are rescored
+(``slimspec.kernels.screen.rescore_screen``: the gathered Triton kernel on a GPU), and ``compute_logits`` returns
+float32 two-level logits (exact on the shortlist, the pair's elsewhere) in which every value at or above the
+shortlist's exact maximum, other than its own, is set just below it (``served_logits``). vLLM drafts
+``argmax(compute_logits(h))`` (or ``get_top_tokens`` with ``use_local_argmax_reduction``), so either way its draft
+is the shortlist's exact argmax, ties to the lower draft id, as the reference decoder's.
+
 Greedy drafting through vLLM's ``get_top_tokens`` hook (speculative config
 ``"use_local_argmax_reduction": true``) uses ``slimspec.kernels.lowrank_argmax`` (fused, no logits written)
 when its Triton path runs on the device (``slimspec.kernels.use_triton``); otherwise the argmax of the
@@ -34,6 +43,8 @@ from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.model_executor.models.qwen3_eagle3 import Eagle3Qwen3ForCausalLM
 from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix
 
+from slimspec.kernels.screen import rescore_screen, served_logits
+
 logger = logging.getLogger(__name__)
 
 # checkpoint architecture -> "module:class" (lazy: vLLM imports the module only when it needs the class)
@@ -42,6 +53,7 @@ MODELS = {
     "Eagle3SlimSpecQwen3ForCausalLM": f"{__name__}:SlimSpecEagle3Qwen3ForCausalLM",
 }
 HEAD_TENSORS = ("lm_head.weight", "lm_head_down.weight")
+SCREEN_EXACT, SCREEN_HOT_IDS = "lm_head_exact.weight", "lm_head_hot_ids"
 FAST_ARGMAX_ENV = "SLIMSPEC_VLLM_FAST_ARGMAX"  # "0" disables the kernel path (for comparisons)
 
 ArgmaxFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -63,6 +75,28 @@ def checkpoint_rank(config: object) -> int:
         raise ValueError("SlimSpec drafter config has no 'slimspec': {'rank': r} block; "
                          "was this checkpoint written by `slimspec convert`?")
     return rank
+
+
+def screen_options(config: object) -> tuple[int, int] | None:
+    """(shortlist K, hot rows N) of a screen-and-rescore checkpoint's ``slimspec`` block; None for the plain pair."""
+    meta = getattr(config, "slimspec", None)
+    get = meta.get if isinstance(meta, dict) else (lambda key, default=None: getattr(meta, key, default))
+    if get("head", "lowrank") in (None, "lowrank"):
+        return None
+    shortlist, hot_rows = get("shortlist"), get("hot_rows", 0)
+    if get("head") != "screen_rescore" or not isinstance(shortlist, int) or shortlist < 1 \
+            or not isinstance(hot_rows, int) or hot_rows < 0:
+        raise ValueError(f"SlimSpec head {get('head')!r} with shortlist {shortlist!r}, hot_rows {hot_rows!r}: "
+                         "expected 'screen_rescore' with shortlist >= 1 and hot_rows >= 0")
+    return shortlist, hot_rows
+
+
+class ExactRows(nn.Module):
+    """Holds the screen's exact rows ``W_exact [V_head, d]`` as ``.weight`` (a plain parameter: no GEMM repacking)."""
+
+    def __init__(self, rows: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, hidden), requires_grad=False)
 
 
 def fast_argmax_for(probe: torch.Tensor) -> ArgmaxFn | None:
@@ -108,10 +142,43 @@ class LowRankHeadMixin(nn.Module):
         )
         self._fast_argmax: ArgmaxFn | None = None
         self._fast_argmax_checked = False
+        self.slimspec_screen = screen_options(self.config)
+        if self.slimspec_screen is not None:
+            shortlist, hot_rows = self.slimspec_screen
+            if shortlist > self.config.draft_vocab_size:
+                raise ValueError(f"SlimSpec shortlist {shortlist} exceeds the head's "
+                                 f"{self.config.draft_vocab_size} rows")
+            self.lm_head_exact = ExactRows(self.config.draft_vocab_size, hidden)
+            self.register_buffer(SCREEN_HOT_IDS, torch.zeros(hot_rows, dtype=torch.long) if hot_rows else None)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """Low-rank logits: ``W_down`` first, then the parent's logits processor with ``W_up`` and ``d2t``."""
-        return super().compute_logits(self.lm_head_down(hidden_states))
+        """Low-rank logits: ``W_down`` first, then the parent's logits processor with ``W_up`` and ``d2t``. A screen
+        head: its float32 two-level logits, capped so that their argmax is the shortlist's exact argmax."""
+        if self.slimspec_screen is None:
+            return super().compute_logits(self.lm_head_down(hidden_states))
+        screened = self._screen_rescore(hidden_states)
+        if screened is None:
+            return None
+        tokens, logits = screened
+        return self._to_target_vocab(served_logits(logits, tokens))
+
+    def _screen_rescore(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(draft ids [B], two-level draft-vocab logits float32 [B, V_head]) of the screen head."""
+        screen = self.logits_processor(self.lm_head, self.lm_head_down(hidden_states))
+        if screen is None:  # a tensor-parallel rank that holds no logits
+            return None
+        shortlist, _ = self.slimspec_screen
+        return rescore_screen(hidden_states, screen.float(), self.lm_head_exact.weight, shortlist,
+                              getattr(self, SCREEN_HOT_IDS), scale=float(self.logits_processor.scale))
+
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits placed at their target ids (``-inf`` elsewhere), as the parent does with d2t."""
+        d2t = self.draft_id_to_target_id
+        if d2t is None:
+            return logits
+        placed = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        placed[:, torch.arange(logits.shape[1], device=logits.device) + d2t] = logits
+        return placed
 
     def _fast_argmax_fn(self, hidden_states: torch.Tensor) -> ArgmaxFn | None:
         if not self._fast_argmax_checked:
@@ -128,8 +195,10 @@ class LowRankHeadMixin(nn.Module):
 
     def get_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens (target ids), without materialising logits where the kernel runs."""
-        fast = self._fast_argmax_fn(hidden_states)
-        if fast is not None and hidden_states.dtype == self.lm_head.weight.dtype:
+        fast = None if self.slimspec_screen is not None else self._fast_argmax_fn(hidden_states)
+        if self.slimspec_screen is not None:
+            top = self._screen_rescore(hidden_states)[0]  # the shortlist's exact argmax
+        elif fast is not None and hidden_states.dtype == self.lm_head.weight.dtype:
             w_up = self.lm_head.weight[: self.lm_head.org_vocab_size]  # padding rows would score 0
             top = fast(hidden_states, self.lm_head_down.weight, w_up)
         else:
@@ -147,12 +216,15 @@ class LowRankHeadMixin(nn.Module):
                 yield name, tensor
 
         super().load_weights(tracked())
-        missing = [name for name in HEAD_TENSORS if name not in seen]
+        required = HEAD_TENSORS
+        if self.slimspec_screen is not None:
+            required += (SCREEN_EXACT,) + ((SCREEN_HOT_IDS,) if self.slimspec_screen[1] else ())
+        missing = [name for name in required if name not in seen]
         if self.draft_id_to_target_id is not None and not any("d2t" in name for name in seen):
             missing.append("d2t")  # vLLM's zeros would map draft id i to target id i: silently wrong tokens
         if missing:
             raise ValueError(f"SlimSpec checkpoint lacks {', '.join(missing)}: refusing to run an "
-                             "uninitialised low-rank head or draft vocabulary")
+                             "uninitialised low-rank or screen head or draft vocabulary")
 
 
 class SlimSpecEagle3LlamaForCausalLM(LowRankHeadMixin, Eagle3LlamaForCausalLM):
