@@ -75,7 +75,8 @@ def test_dry_run_json_follows_vocab_and_reads_no_data_without_distillation(no_we
     assert (draft["head_vocab"], draft["rank"], draft["head_params_before"]) == (8192, 64, 8192 * 576)
     assert draft["head_flops_after"] == 2 * 64 * (8192 + 576)
     assert not full["reads_data"] and full["target_reads"] == "its head" and full["teacher_data"] is None
-    assert [s["stage"] for s in full["stages"]] == ["head read", "gram + eigenvalues", "factorisation", "write"]
+    assert [s["stage"] for s in full["stages"]] == ["head read", "gram + eigenvalues", "factorisation", "write",
+                                                  "verify"]
     head_read = full["stages"][0]["bytes"]
     assert head_read >= 49152 * 576 * 4 * 2  # the float32 head and the target's float32 head as stored
     _nothing_written(no_weights)
@@ -116,7 +117,7 @@ def test_a_plan_that_does_not_fit_is_refused_in_one_line(no_weights, monkeypatch
     result = CliRunner().invoke(main, ["convert", DRAFTER, "--distill-steps", "0", "--dry-run"])
     assert result.exit_code == 2, (result.output, result.exception)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: needs ~0.28 GB on cpu, 0.05 GB free"), lines
+    assert len(lines) == 1 and lines[0].startswith("error: needs ~0.56 GB on cpu, 0.05 GB free"), lines
     assert "does not fit" in result.stdout
     _nothing_written(no_weights)
 

@@ -8,7 +8,9 @@ docstring says what grows with what. Symbols (as in docs/development.md, "Planni
 - ``P`` the target's parameter count, ``k`` TTT steps, ``n`` target states fc reads (3 in EAGLE-3)
 - ``T`` tokens, ``M`` feature rows (answer positions, or every position for the drafter teacher), ``B`` batch tokens
 
-Float32 is 4 bytes, float64 8; a stored tensor takes its dtype's size per element.
+Float32 is 4 bytes, float64 8; a stored tensor takes its dtype's size per element. Host (CPU) stages also count
+:data:`RUNTIME_BYTES`, the process itself. Checked against the resident memory of conversions of stand-ins at the
+real 8B and 70B widths and vocabularies (``scripts/rehearse.py``; BENCHMARKS.md, "8B- and 70B-shaped rehearsals").
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ FLOAT32 = 4
 FLOAT64 = 8
 CACHE_TOKEN_BYTES = 9
 """Teacher cache bytes per token besides the hidden states: an int64 token id and a bool loss mask."""
+RUNTIME_BYTES = 256 * 2**20
+"""The converting process before it reads a weight: Python with torch, transformers and slimspec imported (0.24 GiB
+resident, measured)."""
 FEATURE_ROW_EXTRA = 12
 """Bytes per (row, TTT step) of the student features besides the hidden state: an int64 teacher index and a float32
 weight."""
@@ -45,11 +50,12 @@ def pair_flops(vocab: int, hidden: int, rank: int) -> int:
 
 
 def head_read_bytes(vocab: int, hidden: int, stored: int) -> int:
-    """Reading the head: ``stored + V*d*4``. ``stored``: what is read as it is stored on disk (the drafter's
-    tensors, and the target's head or tied embedding when its rows are needed), which stays in memory through the
-    conversion; ``V*d*4`` the head as one float32 matrix (drafter rows stitched into the target's for ``full``).
-    Grows with the head vocabulary times the hidden size."""
-    return stored + FLOAT32 * vocab * hidden
+    """Reading the head: ``runtime + stored + V*d*4``. ``stored``: the heads as stored on disk (the drafter's head,
+    and the target's head or tied embedding when a target is given), which stay in memory through the conversion;
+    the drafter's other weights are memory-mapped and become resident only when they are used (the drafter built
+    for teacher data, the output written). ``V*d*4``: the head as one float32 matrix (drafter rows stitched into
+    the target's for ``full``). Grows with the head vocabulary times the hidden size."""
+    return RUNTIME_BYTES + stored + FLOAT32 * vocab * hidden
 
 
 def gram_bytes(vocab: int, hidden: int, stored: int) -> int:
@@ -69,6 +75,12 @@ def write_bytes(held: int, vocab: int, hidden: int, rank: int, out_element: int,
     ``rest`` bytes, and the pair in the output dtype of ``e`` bytes) made beside what the conversion holds
     (``held``: :func:`factorize_bytes`)."""
     return held + rest + out_element * pair_params(vocab, hidden, rank)
+
+
+def verify_bytes(written: int, vocab: int, hidden: int, rank: int, out_element: int, rest: int) -> int:
+    """Verifying the folder: ``written + rest + (V*r + r*d)*e``: the output read back (memory-mapped) beside the
+    tensors just written, to compare its logits with the factorised head's."""
+    return written + rest + out_element * pair_params(vocab, hidden, rank)
 
 
 def target_parts_bytes(target_vocab: int, target_hidden: int) -> int:
@@ -120,7 +132,8 @@ def student_feature_bytes(rows: int, steps: int, hidden: int) -> int:
 
 def student_model_bytes(drafter_params: int, target_vocab: int, target_hidden: int) -> int:
     """The float32 drafter the features come from (its own weights and the target's token embedding it reads):
-    ``(drafter params + Vt*Ht)*4``."""
+    ``(drafter params + Vt*Ht)*4``. On the host the drafter shares the target's float32 embedding (``Vt`` = 0
+    here: :func:`target_parts_bytes` counts it)."""
     return FLOAT32 * (drafter_params + target_vocab * target_hidden)
 
 

@@ -560,8 +560,9 @@ def conversion_plan(job: ConvertJob, out: Path | None = None) -> Plan:
     download = _downloads(job, inputs)
 
     # the conversion itself, on the host: the inputs as stored (drafter, target head), the head, Gram, factors
-    stored = shape.weight_bytes if shape.weight_bytes is not None else shape.head_stored_bytes
-    rest = max(0, stored - shape.head_stored_bytes)
+    weights = shape.weight_bytes if shape.weight_bytes is not None else shape.head_stored_bytes
+    rest = max(0, weights - shape.head_stored_bytes)  # the drafter's other tensors: memory-mapped until used
+    stored = shape.head_stored_bytes
     params = element = 0
     if tfacts is not None:
         params, element, counted = _target_params(tfacts, tconfig)
@@ -583,8 +584,10 @@ def conversion_plan(job: ConvertJob, out: Path | None = None) -> Plan:
     else:
         notes.append("not distilled: a conversion without distillation steps can lose most of the drafter's "
                      "acceptance (without distill_steps, a conversion runs the demo's brief distillation)")
-    _stage(stages, "write", "cpu", memory.write_bytes(held, head_vocab, d, r, out_element, rest),
-           "+ output tensors (other tensors + pair in the output dtype)")
+    written = memory.write_bytes(held, head_vocab, d, r, out_element, rest)
+    _stage(stages, "write", "cpu", written, "+ output tensors (other tensors + pair in the output dtype)")
+    _stage(stages, "verify", "cpu", memory.verify_bytes(written, head_vocab, d, r, out_element, rest),
+           "+ the written folder read back")
 
     peak: dict[str, int] = {}
     for s in stages:
@@ -656,8 +659,10 @@ def _teacher_stages(job: ConvertJob, shape: DrafterShape, tconfig: dict[str, Any
         _stage(stages, "teacher data (host)", "cpu", host, "held + target head and embedding Vt*Ht*4 x 2")
     student = memory.student_feature_bytes(rows, k, d)
     drafter_params = rest // max(1, shape.element)
-    model = memory.student_model_bytes(drafter_params, vt, ht) + memory.FLOAT32 * memory.pair_params(head_vocab, d,
-                                                                                                     rank)
+    # on the host the drafter shares the target's float32 embedding (counted in host) and reads its weights as
+    # stored (memory-mapped, resident once read); on a GPU it holds its own copy of the embedding
+    model = memory.student_model_bytes(drafter_params, 0 if on_host else vt, ht) + memory.FLOAT32 * \
+        memory.pair_params(head_vocab, d, rank) + (rest if on_host else 0)
     extra = host if on_host else 0
     if job.resolved_init == "whitened":
         _stage(stages, "whitened covariance", device, model + memory.covariance_bytes(student, d) + extra,
@@ -669,6 +674,8 @@ def _teacher_stages(job: ConvertJob, shape: DrafterShape, tconfig: dict[str, Any
         table_element = dtype.itemsize if dtype is not None else 0
         table = memory.teacher_table_bytes(rows, k, head_vocab, table_element)
         teacher_width = d + 1 if cfg.teacher == "drafter" else ht
+        if on_host and cfg.teacher == "target" and head_vocab == vt:
+            teacher_width = 0  # the teacher's head is the target's float32 head the host holds already
         step = memory.distill_step_bytes(cfg.batch_tokens, k, d, head_vocab, rank, teacher_width, table_element)
         _stage(stages, "teacher table", device, model + student + table + extra,
                f"+ log-probabilities M*k*V*{table_element}" if table_element else "no table (over its budget)")
