@@ -671,3 +671,46 @@ def test_speculators_configs_are_read_as_vllm_builds_them(tmp_path):
                 "token": cfg.parallel_token_id}
         assert ours == served[folder], (folder, ours, served[folder])
     assert len({json.dumps(v, sort_keys=True) for v in served.values()}) > 2  # the cases differ in vLLM's reading
+
+
+def _with_hot_ids(folder: Path, hot: list[int]) -> None:
+    """Add always-rescored draft ids to a screen checkpoint (the format's ``lm_head_hot_ids`` and ``hot_rows``)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors["lm_head_hot_ids"] = torch.tensor(sorted(hot), dtype=torch.int64)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["slimspec"]["hot_rows"] = len(hot)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def test_screen_checkpoint_is_served_as_the_reference_decoder_runs_it(target, baseline, tmp_path):
+    """A screen-and-rescore conversion of the embedded drafter (SVD pair at d/8 screening the draft vocabulary, the
+    exact rows of its top 64 and of 8 hot ids rescored): vLLM must load the exact rows and hot ids, serve logits
+    whose argmax is the shortlist's exact argmax (the head check recomputes them in float64, get_top_tokens too),
+    keep the greedy output, and accept at each draft position exactly what the reference decoder accepts.
+
+    Catches serving the plain pair's logits (the screen's argmax: different drafts, tau below the reference's),
+    two-level logits served uncapped (a screen value outside the shortlist above its exact maximum becomes vLLM's
+    draft), hot ids not loaded, and exact rows taken from the wrong place."""
+    from slimspec.evaluate.acceptance import evaluate
+
+    source = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)
+    screen = slimspec.convert_drafter(str(source), embedded.EMBEDDED_TARGET, "d/8", vocab="draft", shortlist=64,
+                                      out=tmp_path / "screen", distill_steps=0, progress=False).out
+    _with_hot_ids(Path(screen), [0, 1, 2, 13, 28, 30, 264, 8191])
+    prompts = _prompts()[:4]
+    report = _check(target, drafter=screen, prompts=prompts, args=["--check-head"])
+    assert report["ok"], report
+    assert report["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
+    assert report["outputs"] == baseline["outputs"][:len(prompts)], "speculation changed the greedy output"
+    _head_ok(report)
+    ours = evaluate(str(screen), embedded.EMBEDDED_TARGET, num_prompts=len(prompts), max_new_tokens=MAX_NEW_TOKENS,
+                    draft_tokens=DRAFT_TOKENS, progress=False)
+    spec = report["spec_decode"]
+    print(f"\n[vllm] screen r=d/8 K=64 N=8: vLLM tau {report['tau']:.4f} {spec['accepted_per_pos']} in "
+          f"{spec['num_drafts']} rounds, reference {ours['tau']:.4f} {ours['acceptance_per_position']}")
+    assert spec["num_drafts"] == ours["rounds"]
+    assert spec["accepted_per_pos"] == [round(a * ours["rounds"]) for a in ours["acceptance_per_position"]]
+    assert report["tau"] == pytest.approx(ours["tau"], abs=1e-9)

@@ -189,3 +189,36 @@ def test_dispatch_and_validation():
         screen.screen_rescore(h.double(), w_down, w_up, w_exact, K)
     assert screen.screen_share(32000, 4096, 256, 256) == pytest.approx((256 * 36096 + 256 * 4096) / (32000 * 4096))
 
+
+
+def test_served_logits_argmax_is_the_shortlist_argmax():
+    """Catches serving the two-level logits raw to an engine that drafts their argmax: a screen value outside the
+    shortlist above its exact maximum (row 0) or equal to it at a lower id (row 1) would be drafted. After
+    served_logits the argmax is the shortlist's token and only values at or above it moved, to just below it."""
+    h, w_down, w_up, w_exact = _random(2, torch.float32, seed=8)
+    w_up = w_up * 4  # a loud screen: outside values beat the exact maximum
+    tokens, logits = screen.screen_rescore_reference(h, w_down, w_up, w_exact, K, HOT)
+    assert not torch.equal(logits.argmax(-1), tokens), "test data: the raw argmax already agrees"
+    best = logits.gather(1, tokens[:, None])
+    logits[1, 0] = best[1, 0]  # a tie at a lower id than row 1's token
+    assert tokens[1] > 0
+    served = screen.served_logits(logits.clone(), tokens)
+    assert torch.equal(served.argmax(-1), tokens)
+    moved = served != logits
+    assert torch.equal(moved, (logits >= best) & (torch.arange(V) != tokens[:, None]))
+    assert bool((served[moved] == torch.nextafter(best, torch.tensor(-1e30)).expand_as(served)[moved]).all())
+
+
+def test_rescore_screen_of_a_given_screen():
+    """Catches the serving entry point (a screen computed by the engine's own layers) disagreeing with the op:
+    tokens and two-level logits equal the reference's, and a logit scale multiplies the exact values only."""
+    h, w_down, w_up, w_exact = _random(3, torch.float32, seed=9)
+    tokens64, logits64, ids64 = _float64(h, w_down, w_up, w_exact, K, HOT)
+    given = (h @ w_down.T) @ w_up.T
+    tokens, logits = screen.rescore_screen(h, given.clone(), w_exact, K, HOT)
+    assert torch.equal(tokens, tokens64)
+    torch.testing.assert_close(logits.double(), logits64, rtol=1e-5, atol=1e-5)
+    _, scaled = screen.rescore_screen(h, given.clone(), w_exact, K, HOT, scale=0.5)
+    torch.testing.assert_close(scaled.double().gather(1, ids64), 0.5 * logits64.gather(1, ids64), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="float32"):
+        screen.rescore_screen(h, given.double(), w_exact, K, HOT)

@@ -165,8 +165,34 @@ def checkpoint_head(folder: str) -> dict[str, Any]:
     else:
         for shard in sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin"))):
             tensors.update(torch.load(shard, map_location="cpu", weights_only=True))
+    config_path = os.path.join(folder, "config.json")
+    meta = {}
+    if os.path.exists(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            meta = json.load(f).get("slimspec") or {}
+    exact = tensors.get("lm_head_exact.weight")
     return {"up": tensors["lm_head.weight"].double(), "down": tensors.get("lm_head_down.weight"),
-            "d2t": tensors.get("d2t")}
+            "d2t": tensors.get("d2t"), "exact": None if exact is None else exact.double(),
+            "hot_ids": tensors.get("lm_head_hot_ids"), "shortlist": meta.get("shortlist")}
+
+
+def screen_head_logits(h: Any, head: dict[str, Any]) -> Any:
+    """float64 logits a screen-and-rescore head serves: the two-level logits (exact on the pair's top K and the hot
+    ids, the pair elsewhere) with every value at or above the shortlist's exact maximum, other than its own (the
+    lower id among equal ones), set just below it, as ``slimspec.kernels.screen.served_logits`` does."""
+    import torch
+
+    screen = h @ head["up"].T
+    ids = torch.sort(screen, dim=-1, descending=True, stable=True).indices[:, :head["shortlist"]]
+    if head["hot_ids"] is not None:
+        ids = torch.cat([ids, head["hot_ids"].long().expand(ids.shape[0], -1)], dim=1)
+    exact = torch.einsum("bkd,bd->bk", head["exact"][ids], head["h_raw"])
+    logits = screen.scatter(1, ids, exact)
+    best = exact.max(dim=-1, keepdim=True).values
+    tokens = torch.where(exact == best, ids, logits.shape[1]).min(dim=-1, keepdim=True).values
+    over = logits >= best
+    over.scatter_(1, tokens, False)
+    return logits.masked_fill(over, 0.0) + over * torch.nextafter(best, torch.full_like(best, float("-inf")))
 
 
 def head_check(llm: Any, drafter: str, rows: int = 16, seed: int = 0) -> dict[str, Any]:
@@ -192,9 +218,10 @@ def head_check(llm: Any, drafter: str, rows: int = 16, seed: int = 0) -> dict[st
     got = llm.collective_rpc(probe)[0]
     ref_head = checkpoint_head(drafter)
     h = got["hidden"].double()
+    ref_head["h_raw"] = h
     if ref_head["down"] is not None:
         h = h @ ref_head["down"].double().T
-    head_logits = h @ ref_head["up"].T
+    head_logits = screen_head_logits(h, ref_head) if ref_head["exact"] is not None else h @ ref_head["up"].T
     if ref_head["d2t"] is None:
         ref = head_logits
     else:
