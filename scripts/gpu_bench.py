@@ -14,6 +14,12 @@
    sweep shows whether another ``TileConfig`` beats the default. nu = low-rank time / full-head time;
    goal nu <= 0.16 at B = 1 (bandwidth floor (Vr + rd) / Vd = 0.129).
 
+3. The screen-and-rescore head (``--shortlist K``, default 256; ``--hot-rows N``, default 0; ``--screen-rank``,
+   default 256): ``screen_rescore`` (Triton: the low-rank logits kernel, ``torch.topk``, the gathered rescoring
+   kernel) checked against a float64 reference (tokens, two-level logits, ties to the lower id in compiled code)
+   and timed beside the full head, the pair and its torch path; nu beside the multiply-add share
+   (r(V+d) + (K+N)d) / (Vd). ``--shortlist 0`` skips it.
+
 ``--cpu-smoke`` runs the same code at tiny shapes on the CPU under ``TRITON_INTERPRET=1`` with a wall-clock
 timer (to test this script without a GPU; its times mean nothing).
 """
@@ -41,6 +47,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=512)
     parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
     parser.add_argument("--out", type=Path, help="also write the markdown report here")
+    parser.add_argument("--shortlist", type=int, default=256, help="screen-and-rescore K (0: skip the screen)")
+    parser.add_argument("--hot-rows", type=int, default=0, help="screen-and-rescore N hot rows")
+    parser.add_argument("--screen-rank", type=int, default=256, help="the screen's pair rank")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     return parser.parse_args()
 
@@ -49,6 +58,7 @@ ARGS = _parse()
 if ARGS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
     ARGS.vocab, ARGS.hidden, ARGS.rank, ARGS.batches = 1000, 64, 24, "1,3,20"
+    ARGS.screen_rank, ARGS.shortlist, ARGS.hot_rows = 12, min(ARGS.shortlist, 40), min(ARGS.hot_rows, 5)
 else:
     os.environ.pop("TRITON_INTERPRET", None)  # interpreted kernels would be timed otherwise
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is its current default
@@ -64,7 +74,7 @@ except ImportError:
     sys.exit("gpu_bench.py needs triton (pip install triton==3.9.0); nothing was measured.")
 
 from slimspec import kernels  # noqa: E402
-from slimspec.kernels import reference  # noqa: E402
+from slimspec.kernels import reference, screen  # noqa: E402
 from slimspec.kernels import triton_lowrank as tlr  # noqa: E402
 
 DEVICE = torch.device("cpu" if ARGS.cpu_smoke else "cuda")
@@ -202,6 +212,63 @@ def describe(cfg: tlr.TileConfig) -> str:
             f" z(r{cfg.z_block_r} d{cfg.z_block_d})")
 
 
+def screen_float64(h, w_down, w_up, w_exact, k: int, hot):
+    """float64 tokens (exact argmax over the stable top k + hot ids, lower id on ties) and two-level logits."""
+    values = (h.double() @ w_down.double().T) @ w_up.double().T
+    ids = screen.with_hot(torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k], hot)
+    exact = torch.einsum("bkd,bd->bk", w_exact.double()[ids], h.double())
+    return screen.shortlist_argmax(exact, ids), values.scatter(1, ids, exact)
+
+
+def screen_checks_and_times(batch: int, h, w_full, timer: Timer, graph_timer: Timer | None) -> dict[str, object]:
+    """The screen's checks at full size (tokens and logits vs float64, compiled ties) and its times in us."""
+    k, rank = ARGS.shortlist, ARGS.screen_rank
+    vocab, hidden = w_full.shape
+    _, w_down, w_up = make_inputs(batch, vocab, hidden, rank, seed=100 + batch)
+    hot = torch.arange(ARGS.hot_rows, device=DEVICE) if ARGS.hot_rows else None
+    tokens, logits = screen.screen_rescore(h, w_down, w_up, w_full, k, hot)
+    tokens64, logits64 = screen_float64(h, w_down, w_up, w_full, k, hot)
+    rows = torch.arange(batch, device=DEVICE)
+    gap = logits64[rows, tokens64] - logits64[rows, tokens]
+    check(bool((gap <= 1e-5 * logits64.abs().max()).all()),
+          f"screen_rescore tokens == float64 on {int((tokens == tokens64).sum())}/{batch} rows, the rest near-ties")
+    err = (logits.double() - logits64).abs().max().item() / logits64.abs().max().item()
+    check(err <= 2.0**-7, f"two-level logits within one bf16 rounding of float64 (max rel err {err:.2e})")
+    w_tie = w_full.clone()  # the winning exact row copied to a lower id that is in the shortlist
+    low = [int(i) for i in screen.topk_lower_ids(logits.float(), k).min(dim=-1).values]
+    for b in range(batch):
+        if low[b] < int(tokens[b]):
+            w_tie[low[b]] = w_full[tokens[b]]
+    tied, _ = screen.screen_rescore(h, w_down, w_up, w_tie, k, hot)
+    expected, _ = screen_float64(h, w_down, w_up, w_tie, k, hot)
+    check(torch.equal(tied, expected), "screen ties -> the lower token id (compiled gathered kernel)")
+    fns = {"full": lambda: torch.argmax(h @ w_full.T, dim=-1),
+           "pair": lambda: torch.argmax((h @ w_down.T) @ w_up.T, dim=-1),
+           "screen": lambda: screen.screen_rescore(h, w_down, w_up, w_full, k, hot),
+           "screen_torch": lambda: screen.screen_rescore_torch(h, w_down, w_up, w_full, k, hot)}
+    row: dict[str, object] = {"B": batch}
+    for name, fn in fns.items():
+        row[name] = 1e3 * timer(fn)
+        if graph_timer is not None and name != "screen":  # the screen's tie check syncs the host
+            row[f"{name}_graph"] = 1e3 * graph_timer(fn)
+    return row
+
+
+def screen_report(rows: list[dict[str, object]], vocab: int, hidden: int) -> str:
+    k, n, rank = ARGS.shortlist, ARGS.hot_rows, ARGS.screen_rank
+    share = screen.screen_share(vocab, hidden, rank, k, n)
+    lines = [f"## Screen and rescore, V={vocab} d={hidden} r={rank} K={k} N={n} bf16 ({device_name()})", "",
+             f"Times in microseconds (`do_bench` medians). nu = time / full head; multiply-add share {share:.3f} "
+             f"(pair alone {rank * (vocab + hidden) / (vocab * hidden):.3f}).", "",
+             "| B | full head | pair | screen (Triton) | screen (torch) | nu pair | nu screen | nu screen torch |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        full = r["full"]
+        lines.append(f"| {r['B']} | {full:.1f} | {r['pair']:.1f} | {r['screen']:.1f} | {r['screen_torch']:.1f} | "
+                     f"{r['pair'] / full:.3f} | {r['screen'] / full:.3f} | {r['screen_torch'] / full:.3f} |")
+    return "\n".join(lines)
+
+
 def report(rows: list[dict[str, object]], vocab: int, hidden: int, rank: int, graphs: bool) -> str:
     floor = (vocab * rank + rank * hidden) / (vocab * hidden)
     bytes_lowrank = 2 * (vocab * rank + rank * hidden)
@@ -259,13 +326,18 @@ def main() -> int:
     print(f"{device_name()}; V={vocab} d={hidden} r={rank} bf16; B in {batches}", flush=True)
     g = torch.Generator(device=DEVICE).manual_seed(1)
     w_full = (torch.randn(vocab, hidden, generator=g, device=DEVICE) / hidden**0.5).to(DTYPE)  # timing only
-    rows = []
+    rows, screen_rows = [], []
     for batch in batches:
         h, w_down, w_up = make_inputs(batch, vocab, hidden, rank, seed=batch)
         run_checks(batch, h, w_down, w_up)
         print(f"B = {batch}: timing{'' if ARGS.no_sweep else ' (+ tile sweep)'}", flush=True)
         rows.append(bench_rows(batch, h, w_down, w_up, w_full, timer, graph_timer, sweep=not ARGS.no_sweep))
+        if ARGS.shortlist:
+            print(f"B = {batch}: screen and rescore, checks and timing", flush=True)
+            screen_rows.append(screen_checks_and_times(batch, h, w_full, timer, graph_timer))
     text = report(rows, vocab, hidden, rank, graphs=graph_timer is not None)
+    if screen_rows:
+        text += "\n\n" + screen_report(screen_rows, vocab, hidden)
     print("\n" + text)
     if ARGS.out:
         ARGS.out.write_text(text + "\n")
