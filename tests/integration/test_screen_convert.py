@@ -82,3 +82,35 @@ def test_a_screen_checkpoint_without_its_config_keys_is_refused(tmp_path):
     config_path.write_text(json.dumps(config))
     with pytest.raises(Exception, match="shortlist"):
         load_drafter(tmp_path / "o")
+
+
+@pytest.mark.slow
+def test_distilled_screen_decodes_losslessly_and_distils_again(tiny_target, tmp_path):
+    """Catches the two-level distillation, the hot rows from the teacher's answers, the decoder's exact greedy token
+    or `distill` of a screen checkpoint breaking: the conversion trains and records its hot ids, greedy speculative
+    output stays the target's own, and a further `distill` keeps the exact rows, K and N."""
+    from slimspec.checkpoint.target_model import load_target_model
+
+    vocab = load_target_model(tiny_target)[0].config.vocab_size
+    write_drafter(tmp_path / "d", "eagle", Spec(vocab=vocab, draft_vocab=512, hidden=32, target_hidden=32))
+    runner = CliRunner()
+    result = runner.invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tiny_target), "--vocab", "draft",
+                                  "-r", "4", "--shortlist", "20", "--hot-rows", "3", "--distill-steps", "2",
+                                  "--num-prompts", "3", "--max-new-tokens", "8", "-o", str(tmp_path / "o"), "--json",
+                                  "-q", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["distill"]["config"]["screen_loss"] == "two_level" and report["screen"]["hot_rows"] == 3
+    ckpt = load_drafter(tmp_path / "o")
+    assert ckpt.hot_rows == 3 and ckpt.shortlist == 20
+    result = runner.invoke(main, ["eval", str(tmp_path / "o"), "-t", str(tiny_target), "--num-prompts", "1",
+                                  "--max-new-tokens", "10", "--baseline", str(tmp_path / "d"), "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["outputs_identical_to_baseline"] is True
+    result = runner.invoke(main, ["distill", str(tmp_path / "o"), "-t", str(tiny_target), "--steps", "1",
+                                  "--num-prompts", "3", "--max-new-tokens", "8", "-o", str(tmp_path / "again"), "-q"])
+    assert result.exit_code == 0, result.output
+    again = load_drafter(tmp_path / "again")
+    assert again.is_screen and again.shortlist == 20 and again.hot_rows == 3
+    assert torch.equal(again.tensors["lm_head_exact.weight"], ckpt.tensors["lm_head_exact.weight"])
+    assert torch.equal(again.tensors["lm_head_hot_ids"], ckpt.tensors["lm_head_hot_ids"])

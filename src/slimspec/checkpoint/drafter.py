@@ -652,7 +652,7 @@ def _refuse_quantised(raw: dict[str, Any], names: list[str], folder: Path) -> No
 def _refuse_quantised_weights(tensors: dict[str, torch.Tensor], folder: Path) -> None:
     """Weights stored in a quantised dtype (float8, int8, ...) rather than a 16/32-bit float."""
     for name, tensor in tensors.items():
-        if name not in ("d2t", "t2d") and (not tensor.is_floating_point() or tensor.element_size() < 2):
+        if name not in ("d2t", "t2d", SCREEN_HOT_IDS) and (not tensor.is_floating_point() or tensor.element_size() < 2):
             raise CheckpointError(f"{folder}: {name} is stored as {str(tensor.dtype).removeprefix('torch.')}: "
                                   "quantised drafters are not supported: give the unquantised one")
 
