@@ -29,6 +29,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -68,9 +69,10 @@ def serve_command(target: str, layers: list[int], storage: str) -> list[str]:
 
 
 def vllm_sequences(target_path: Path, prompts: list[Prompt], settings, known: dict[int, list[int]], work: Path,
-                   progress: bool):
-    """(ids, split, aux, final) of each prompt's sequence, computed by a vLLM engine (``settings``: the teacher
-    settings; ``known``: prompt index -> saved answer ids, not decoded again; ``work``: a scratch folder)."""
+                   progress: bool) -> tuple[int, Iterator]:
+    """Run a vLLM engine over the prompts, then (count, iterator of (ids, split, aux, final) per sequence, read one
+    at a time from ``work``). ``settings``: the teacher settings; ``known``: prompt index -> saved answer ids, not
+    decoded again; ``work``: a scratch folder (the engine's files stay there until the caller removes it)."""
     from transformers import AutoTokenizer
 
     config = json.loads((Path(target_path) / "config.json").read_text())
@@ -91,25 +93,29 @@ def vllm_sequences(target_path: Path, prompts: list[Prompt], settings, known: di
         _run_server(job, work, url.rstrip("/"), progress)
     else:
         _run_worker(job, work, progress)
-    norm = _final_norm(Path(target_path), config)
     answers = {int(i): ids for i, ids in json.loads((work / "answers.json").read_text()).items()}
-    for i, item in enumerate(items):
+    return len(items), _read(job, answers, _final_norm(Path(target_path), config), settings.generation_dtype)
+
+
+def _read(job: dict, answers: dict[int, list[int]], norm, dtype: str) -> Iterator:
+    """(ids, split, aux, final) of each item from the engine's files, checked against what was sent."""
+    layers = job["layers"]
+    for i, item in enumerate(job["items"]):
         answer = item["answer"] if item["answer"] is not None else answers[i]
-        ids = (item["prefix"] + answer)[: settings.max_length]
+        ids = (item["prefix"] + answer)[: job["max_length"]]
         if len(ids) < 3:
             yield ids, item["split"], None, None
             continue
-        states = load_file(str(work / f"{i}.safetensors"))
+        states = load_file(str(Path(job["out"]) / f"{i}.safetensors"))
         hidden, tokens = states["hidden_states"], states["token_ids"]
         if tokens.tolist() != ids or hidden.shape[1] != len(layers):
             raise SlimSpecError(f"vLLM's hidden states of sequence {i} do not match it ({hidden.shape[1]} layers, "
                                 f"{tokens.numel()} tokens; expected {len(layers)} and {len(ids)}): a server must "
                                 f"run {shlex.join(serve_command(job['target'], layers, '<folder>'))}")
-        if str(hidden.dtype).removeprefix("torch.") != settings.generation_dtype:
-            raise SlimSpecError(f"the vLLM engine computes in {hidden.dtype}, the teacher settings name "
-                                f"{settings.generation_dtype}: pass --generation-dtype to match")
-        aux = hidden[:, :-1].float().reshape(len(ids), -1)
-        yield ids, item["split"], aux, norm(hidden[:, -1])
+        if str(hidden.dtype).removeprefix("torch.") != dtype:
+            raise SlimSpecError(f"the vLLM engine computes in {hidden.dtype}, the teacher settings name {dtype}: "
+                                "pass --generation-dtype to match")
+        yield ids, item["split"], hidden[:, :-1].float().reshape(len(ids), -1), norm(hidden[:, -1])
 
 
 def _items(tokenizer, prompts: list[Prompt], settings, known: dict[int, list[int]]) -> list[dict]:
