@@ -129,7 +129,10 @@ def data_options(func):
                      help="How regenerated answers and teacher features are computed. transformers: `generate`, "
                           "then one float32 forward per sequence. static: one batched static-cache loop gives "
                           "answers and features in the same passes (2.45x faster on 2 CPU cores, `make bench` "
-                          "section teacher; Llama/Mistral/Qwen2/Qwen3 targets, others fall back)."),
+                          "section teacher; Llama/Mistral/Qwen2/Qwen3 targets, others fall back). vllm: a vLLM "
+                          "engine (tensor parallel over the visible GPUs) answers and writes the hidden states, in "
+                          "the generation dtype; $SLIMSPEC_VLLM_TEACHER_URL names a running server to use instead "
+                          "(docs/distillation.md, \"Teacher data from vLLM\"; Llama/Mistral/Qwen2/Qwen3 targets)."),
         click.option("--generation-dtype", type=click.Choice(choices.GENERATION_DTYPES),
                      default="auto", show_default=True,
                      help="dtype of the target copy that writes the answers (and, with the static engine, the "

@@ -36,6 +36,7 @@ from slimspec.checkpoint.target_model import (
 from slimspec.checkpoint.writer import remove_stale_temps
 from slimspec.distill.answers import batch_spans, journal_rows, load_answers
 from slimspec.distill.static_decode import cut_at_stop, static_prefill, supports
+from slimspec.distill.vllm_teacher import vllm_sequences
 from slimspec.embedded import cache_dir, file_lock
 from slimspec.errors import SlimSpecError
 from slimspec.hardware import GENERATION_DTYPES, default_generation_dtype, resolve_device
@@ -166,9 +167,9 @@ def _claim(where: TeacherLocation, journal: Path, content: str, progress: bool) 
 
 def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSettings) -> str:
     fields = asdict(settings)
-    if fields["engine"] == "transformers" or fields["responses"] != "regenerate":
+    if fields["engine"] == "transformers" or (fields["responses"] != "regenerate" and fields["engine"] != "vllm"):
         # the default engine, and builds that decode nothing, leave the engine out: their keys name existing
-        # caches and the shipped answers
+        # caches and the shipped answers (vLLM's features come from its generation-dtype engine: always named)
         del fields["engine"]
     fields["temperature"] = float(fields["temperature"])  # 0 and 0.0 are one setting
     if fields["temperature"] <= 0:
@@ -293,8 +294,8 @@ def build_teacher_data(
     prompts it answers get their features from one batched forward instead of being decoded again. ``device``:
     where the target runs (``hardware.resolve_device``: default a CUDA GPU when there is one, else the CPU); the
     data itself is kept on the CPU and the device is not part of the cache key."""
-    if settings.engine not in ("transformers", "static"):
-        raise SlimSpecError(f"generation engine must be 'transformers' or 'static', got {settings.engine!r}")
+    if settings.engine not in ("transformers", "static", "vllm"):
+        raise SlimSpecError(f"generation engine must be 'transformers', 'static' or 'vllm', got {settings.engine!r}")
     if settings.generation_dtype not in GENERATION_DTYPES:
         raise SlimSpecError(f"generation dtype must be one of {', '.join(GENERATION_DTYPES)}, "
                             f"got {settings.generation_dtype!r}")
@@ -360,6 +361,12 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
     known = _known_answers(prompts, settings, where.key, answers, progress)
     store = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float16 if settings.dtype == "float16" \
         else torch.float32
+    if settings.engine == "vllm":
+        work = where.root / f".{where.key}.vllm"
+        count, sequences = vllm_sequences(target_path, prompts, settings, known, work, progress)
+        return _write_teacher_folder(target_path, where.root, where.key, where.folder, settings, where.num_layers,
+                                     sequences, count, store, progress, content,
+                                     cleanup=lambda: shutil.rmtree(work, ignore_errors=True))
     if static_engine:
         built = _static_build(target_path, prompts, settings, where, known, store, content, progress)
         if built is not None:
