@@ -9,11 +9,12 @@ bf16 matmuls are fast on CPUs with bf16 instructions (AVX512-BF16, AMX) and on G
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
 
-from slimspec.errors import SlimSpecError
+from slimspec.errors import OptionError, SlimSpecError
 
 GENERATION_DTYPE_ENV = "SLIMSPEC_GENERATION_DTYPE"
 DEVICE_ENV = "SLIMSPEC_DEVICE"
@@ -77,3 +78,62 @@ def resolve_device(name: str | None = None):
         raise SlimSpecError(f"device {name!r}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
     return device
 
+
+
+_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+               "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)\s*$", re.IGNORECASE)
+
+
+def parse_max_memory(text: str) -> dict[int | str, int]:
+    """``--max-memory`` budgets as accelerate takes them: ``cuda:0=70GiB,1=70GiB,cpu=100GiB`` -> ``{0: bytes,
+    1: bytes, "cpu": bytes}`` (a GPU by index or ``cuda:N``; sizes in B, KB/MB/GB/TB or KiB/MiB/GiB/TiB). Weights
+    beyond the budgets go to disk. A malformed budget is a one-line OptionError."""
+    budgets: dict[int | str, int] = {}
+    for item in str(text).split(","):
+        name, sep, size = item.partition("=")
+        name = name.strip().lower()
+        match = _SIZE.match(size)
+        if not sep or not name or match is None:
+            raise OptionError(f"{{max_memory}} takes DEVICE=SIZE pairs separated by commas (e.g. "
+                              f"cuda:0=70GiB,cpu=100GiB); got {item.strip()!r}", "max_memory")
+        key: int | str
+        if name == "cpu":
+            key = "cpu"
+        elif name.removeprefix("cuda:").isdigit():
+            key = int(name.removeprefix("cuda:"))
+        else:
+            raise OptionError(f"{{max_memory}}: unknown device {name!r} (use cpu, cuda:N or N)", "max_memory")
+        if key in budgets:
+            raise OptionError(f"{{max_memory}} names {name} twice", "max_memory")
+        budgets[key] = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    return budgets
+
+
+def check_max_memory(budgets: dict[int | str, int]) -> None:
+    """Refuse budgets for GPUs PyTorch does not see (one line)."""
+    gpus = [key for key in budgets if key != "cpu"]
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [f"cuda:{key}" for key in gpus if key >= visible]
+    if missing:
+        raise OptionError(f"{{max_memory}} names {', '.join(missing)}, but PyTorch sees {visible} CUDA GPU(s) here",
+                          "max_memory")
+
+
+def host_available(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """The host's available memory: ``MemAvailable`` of /proc/meminfo, else the free pages."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free now on ``device``: ``torch.cuda.mem_get_info`` on a GPU, the host's available memory on the
+    CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return host_available()

@@ -12,6 +12,7 @@ import torch
 
 from slimspec.checkpoint.drafter import LOWRANK_DOWN, SCREEN_EXACT, SCREEN_HOT_IDS, DrafterCheckpoint, load_drafter
 from slimspec.checkpoint.files import read_json
+from slimspec.checkpoint.placement import Placement, feature_dtype_for, float32_fits
 from slimspec.checkpoint.target_model import TargetParts, aux_layers_for, load_target_parts, target_of
 from slimspec.checkpoint.writer import NOT_DISTILLED_NOTE, atomic_folder, check_output_free, save_tensors, write_json
 from slimspec.convert.factorize import factorize_whitened
@@ -55,17 +56,34 @@ class DataOptions:
     answers: str | None = None  # saved answers of this teacher data (slimspec.distill.answers): not decoded again
     generation_dtype: str | None = None  # of the answering copy (None: bf16 on a GPU or where the CPU has it natively,
     # else fp32)
-    device: str | None = None  # where the target computes the teacher data (None: auto, a CUDA GPU when there is one)
+    device: str | None = None  # where the target computes the teacher data (None: auto, a CUDA GPU when there is one,
+    # the target sharded over every GPU, the CPU and disk when it does not fit one device)
+    max_memory: str | None = None  # shard the target within these budgets (``cuda:0=70GiB,cpu=100GiB``)
+    offload_folder: str | None = None  # where a sharded target's weights beyond the budgets go
+    feature_dtype: str | None = None  # of the features (None: float32 where a float32 copy fits, else the target's)
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def teacher_settings(self, aux_layers: list[int] | tuple[int, ...]) -> TeacherSettings:
-        """The teacher settings (and so the cache key) these options give, with features at ``aux_layers``."""
+    def placement(self) -> Placement:
+        """Where the target's weights go (``checkpoint.placement``)."""
+        return Placement.of(self.device, self.max_memory, self.offload_folder)
+
+    def teacher_settings(self, aux_layers: list[int] | tuple[int, ...],
+                         target_path: Path | None = None) -> TeacherSettings:
+        """The teacher settings (and so the cache key) these options give, with features at ``aux_layers``.
+        ``target_path``: the target, whose size against the placement's memory decides an auto feature dtype (and
+        an auto generation dtype that would be float32); without it features are float32."""
+        generation = self.generation_dtype or default_generation_dtype(device=self.device or "auto")
+        features = self.feature_dtype if self.feature_dtype not in (None, "auto") else "float32"
+        if target_path is not None:
+            features = feature_dtype_for(target_path, self.placement(), self.feature_dtype)
+            if self.generation_dtype is None and generation == "float32" and not float32_fits(target_path,
+                                                                                              self.placement()):
+                generation = features  # a float32 answering copy would not fit either
         return TeacherSettings(responses=self.responses, max_new_tokens=self.max_new_tokens,
                                temperature=self.temperature, seed=self.seed, max_length=self.max_length,
                                aux_layers=tuple(aux_layers), engine=self.engine,
-                               generation_batch=self.generation_batch,
-                               generation_dtype=self.generation_dtype
-                               or default_generation_dtype(device=self.device or "auto"))
+                               generation_batch=self.generation_batch, generation_dtype=generation,
+                               feature_dtype=features)
 
 
 def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptions, progress: bool,
@@ -82,10 +100,11 @@ def teacher_for(ckpt: DrafterCheckpoint, target: TargetParts, options: DataOptio
         raise OptionError(f"{{aux_layers}}/{{aux_convention}} give target states {tuple(layers)}, but this drafter "
                           f"reads {tuple(own)} (its config); fix the drafter's eagle_aux_hidden_state_layer_ids "
                           "instead", "aux_layers", "aux_convention")
-    settings = options.teacher_settings(layers)
+    settings = options.teacher_settings(layers, target.path)
     prompts = load_prompts(options.data, limit=options.num_prompts, training=training)
     return build_teacher_data(target.path, prompts, settings, progress=progress,
-                              answers=Path(options.answers) if options.answers else None, device=options.device)
+                              answers=Path(options.answers) if options.answers else None,
+                              placement=options.placement())
 
 
 def teacher_head_for(drafter: Eagle3Drafter, target: TargetParts) -> torch.Tensor:

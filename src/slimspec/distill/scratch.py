@@ -44,11 +44,11 @@ def scratch_teacher(parts: TargetParts, options: DataOptions, progress: bool) ->
     """Teacher data for a new drafter (EAGLE-3's default feature layers unless ``options`` say otherwise: ids in
     ``options.aux_convention``, default ``input``, the convention the written drafter records)."""
     settings = options.teacher_settings(aux_layers_for(options.aux_layers, "eagle", parts.num_layers,
-                                                       options.aux_convention))
+                                                       options.aux_convention), parts.path)
     prompts = load_prompts(options.data, limit=options.num_prompts, training=True)
     answers = Path(options.answers) if options.answers else None
     return build_teacher_data(parts.path, prompts, settings, progress=progress, answers=answers,
-                              device=options.device), settings
+                              placement=options.placement()), settings
 
 
 def frequent_response_tokens(teacher: TeacherData, count: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 import slimspec.distill.static_decode as decoding
+from slimspec.checkpoint.placement import Placement, input_device, load_sharded_target, placement_text
 from slimspec.checkpoint.target_model import (
     chat_ids,
     default_aux_layers,
@@ -64,7 +65,12 @@ class TeacherSettings:
     # bf16 decodes 3-4x slower; ``slimspec.hardware``). The transformers engine's features always come from the
     # float32 target.
     generation_dtype: str = field(default_factory=default_generation_dtype)
-    # "transformers": answers from ``generate``, then features from one float32 forward per sequence.
+    # The transformers engine's features come from a copy of the target in this dtype: float32 by default, the
+    # target's own 16-bit dtype where a float32 copy does not fit (``checkpoint.placement.feature_dtype_for``;
+    # docs/distillation.md, "Targets beyond one device": what it changes). The static engine's come from the
+    # answering copy.
+    feature_dtype: str = "float32"
+    # "transformers": answers from ``generate``, then features from one forward per sequence.
     # "static": answers and features from the same passes of the generation-dtype copy (``static_decode``: one
     # preallocated KV cache, no second forward); Llama-family targets only, others fall back to "transformers".
     engine: str = "transformers"
@@ -171,6 +177,8 @@ def cache_key(target_path: Path, prompts: list[Prompt], settings: TeacherSetting
         # the default engine, and builds that decode nothing, leave the engine out: their keys name existing
         # caches and the shipped answers (vLLM's features come from its generation-dtype engine: always named)
         del fields["engine"]
+    if fields["feature_dtype"] == "float32":
+        del fields["feature_dtype"]  # float32 features: the key of every cache made before the setting existed
     fields["temperature"] = float(fields["temperature"])  # 0 and 0.0 are one setting
     if fields["temperature"] <= 0:
         fields["seed"] = 0  # greedy answers do not depend on the seed
@@ -255,7 +263,8 @@ def _generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSett
                   "pad_token_id": pad}
         if settings.temperature > 0:
             kwargs.update(temperature=settings.temperature, top_k=0, top_p=1.0)
-        generated = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+        where = input_device(model)
+        generated = model.generate(input_ids=ids.to(where), attention_mask=mask.to(where),
                                    **kwargs)[:, width:].cpu()
         stops = stop_token_ids(model, tokenizer)
         for row, i in enumerate(idx):
@@ -271,7 +280,7 @@ def _generate(model, tokenizer, prefixes: list[list[int]], settings: TeacherSett
 def _features(model, ids: list[int], aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Aux hidden states [T, n*Ht] and final normed hidden state [T, Ht] from one target forward."""
     # The base model only: the LM head's [T, V] logits are not needed (and cost ~20 % of the forward).
-    output = model.base_model(input_ids=torch.tensor([ids], device=model.device), output_hidden_states=True,
+    output = model.base_model(input_ids=torch.tensor([ids], device=input_device(model)), output_hidden_states=True,
                               use_cache=False)
     states = output.hidden_states
     aux = torch.cat([states[i][0] for i in aux_layers], dim=-1)
@@ -287,20 +296,24 @@ def build_teacher_data(
     progress: bool = True,
     answers: Path | None = None,
     device: torch.device | str | None = None,
+    placement: Placement | None = None,
 ) -> TeacherData:
     """Teacher data for ``prompts`` (from the cache when the same target, data and settings were used).
 
     ``answers``: a saved-answers file of this cache (``slimspec.distill.answers``); with the static engine the
     prompts it answers get their features from one batched forward instead of being decoded again. ``device``:
     where the target runs (``hardware.resolve_device``: default a CUDA GPU when there is one, else the CPU); the
-    data itself is kept on the CPU and the device is not part of the cache key."""
+    data itself is kept on the CPU and the device is not part of the cache key. ``placement``: the device, memory
+    budgets and offload folder together (``checkpoint.placement``: a target too large for one device is sharded
+    over every GPU, the CPU and disk); it replaces ``device``."""
     if settings.engine not in ("transformers", "static", "vllm"):
         raise SlimSpecError(f"generation engine must be 'transformers', 'static' or 'vllm', got {settings.engine!r}")
-    if settings.generation_dtype not in GENERATION_DTYPES:
-        raise SlimSpecError(f"generation dtype must be one of {', '.join(GENERATION_DTYPES)}, "
-                            f"got {settings.generation_dtype!r}")
+    for what, name in (("generation", settings.generation_dtype), ("feature", settings.feature_dtype)):
+        if name not in GENERATION_DTYPES:
+            raise SlimSpecError(f"{what} dtype must be one of {', '.join(GENERATION_DTYPES)}, got {name!r}")
 
-    device = resolve_device(device)
+    placement = placement or Placement(device=None if device is None else str(device))
+    resolve_device(placement.device)  # an unusable device is an error before any work
     target_path = Path(target_path)
     where = teacher_location(target_path, prompts, settings, cache_root)
     manifest = where.folder / "manifest.json"
@@ -321,7 +334,7 @@ def build_teacher_data(
                 raise SlimSpecError(f"teacher cache {where.folder} was built for another target with the same "
                                     "shapes and could not be removed")
             return load_teacher_data(where.folder)
-        return _build(target_path, prompts, settings, where, journal, content, progress, answers, device)
+        return _build(target_path, prompts, settings, where, journal, content, progress, answers, placement)
 
 
 def _append_lines(path: Path, text: str) -> None:
@@ -344,20 +357,39 @@ def _built_for(manifest: Path, content: str) -> bool:
     return json.loads(manifest.read_text()).get("target_content") in (None, content)
 
 
-def uses_static_engine(settings: TeacherSettings, device: torch.device) -> bool:
-    """Whether a build runs the static engine: asked for, for regenerated answers, on the CPU (it is a CPU
-    engine: preallocated CPU caches; on a GPU transformers' ``generate`` and forwards do the work)."""
-    return settings.engine == "static" and settings.responses == "regenerate" and device.type == "cpu"
+def uses_static_engine(settings: TeacherSettings, device: torch.device, sharded: bool = False) -> bool:
+    """Whether a build runs the static engine: asked for, for regenerated answers, on the CPU, with the target
+    whole (it is a CPU engine: preallocated CPU caches; on a GPU, and for a sharded target, transformers'
+    ``generate`` and forwards do the work)."""
+    return (settings.engine == "static" and settings.responses == "regenerate" and device.type == "cpu"
+            and not sharded)
+
+
+def load_placed_target(target_path: Path, dtype: torch.dtype, placement: Placement, progress: bool = False):
+    """The target in ``dtype`` as ``placement`` puts it: whole on its main device, or sharded (then said on
+    stderr)."""
+    budgets = placement.budgets(target_path, dtype)
+    if budgets is None:
+        return load_target_model(target_path, dtype, placement.main_device)
+    model, tokenizer = load_sharded_target(target_path, dtype, budgets, placement.offload_folder)
+    if progress:
+        print(f"[slimspec] target in {str(dtype).removeprefix('torch.')} sharded: {placement_text(model)}",
+              file=sys.stderr)
+    return model, tokenizer
 
 
 def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, where: TeacherLocation,
            journal: Path, content: str, progress: bool, answers: Path | None,
-           device: torch.device) -> TeacherData:
+           placement: Placement) -> TeacherData:
     """Decode (or read saved answers), take the features and write the cache of ``where`` (its lock held)."""
-    static_engine = uses_static_engine(settings, device)
-    if settings.engine == "static" and not static_engine and settings.responses == "regenerate" and progress:
-        print(f"[slimspec] the static engine runs on the CPU only: on {device} answers and features come from "
-              "transformers' generate and forwards", file=sys.stderr)
+    device = placement.main_device
+    wants_static = settings.engine == "static" and settings.responses == "regenerate"
+    sharded = wants_static and placement.budgets(target_path, getattr(torch, settings.generation_dtype)) is not None
+    static_engine = uses_static_engine(settings, device, sharded)
+    if wants_static and not static_engine and progress:
+        print(f"[slimspec] the static engine runs on the CPU only, with the target whole: "
+              f"{'sharded' if sharded else f'on {device}'}, answers and features come from transformers' "
+              "generate and forwards", file=sys.stderr)
     known = _known_answers(prompts, settings, where.key, answers, progress)
     store = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float16 if settings.dtype == "float16" \
         else torch.float32
@@ -372,9 +404,10 @@ def _build(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, 
         if built is not None:
             return built
     if settings.responses == "regenerate":
-        model, sequences = _regenerated_sequences(target_path, prompts, settings, known, journal, progress, device)
+        model, sequences = _regenerated_sequences(target_path, prompts, settings, known, journal, progress,
+                                                  placement)
     else:
-        model, sequences = _given_sequences(target_path, prompts, settings, device)
+        model, sequences = _given_sequences(target_path, prompts, settings, placement, progress)
     return _write_teacher_folder(target_path, where.root, where.key, where.folder, settings, where.num_layers,
                                  _with_features(model, sequences, settings.aux_layers), len(sequences), store,
                                  progress, content, cleanup=lambda: journal.unlink(missing_ok=True))
@@ -419,28 +452,30 @@ def _static_build(target_path: Path, prompts: list[Prompt], settings: TeacherSet
 
 
 def _regenerated_sequences(target_path: Path, prompts: list[Prompt], settings: TeacherSettings,
-                           known: dict[int, list[int]], journal: Path, progress: bool, device: torch.device):
-    """Transformers engine: (float32 target, [(prompt + answer ids, prompt length)]) with the answers from
-    ``generate``. The answering copy (generation dtype) comes first, then the float32 target for the features:
-    one copy of the target on the device at a time; no answering copy when every answer is known."""
+                           known: dict[int, list[int]], journal: Path, progress: bool, placement: Placement):
+    """Transformers engine: (feature copy of the target, [(prompt + answer ids, prompt length)]) with the answers
+    from ``generate``. The answering copy (generation dtype) comes first, then the copy in the feature dtype
+    (one copy when the two dtypes agree): one copy of the target on the devices at a time; no answering copy when
+    every answer is known."""
+    features = getattr(torch, settings.feature_dtype)
     if len(known) < len(prompts):
-        generator_model, tokenizer = load_target_model(target_path, getattr(torch, settings.generation_dtype),
-                                                       device)
+        generator_model, tokenizer = load_placed_target(target_path, getattr(torch, settings.generation_dtype),
+                                                        placement, progress)
     else:
-        generator_model, (model, tokenizer) = None, load_target_model(target_path, device=device)
+        generator_model, (model, tokenizer) = None, load_placed_target(target_path, features, placement, progress)
     prefixes = [chat_ids(tokenizer, p.text)[0][: settings.max_length] for p in prompts]
     bar = _bar(len(prefixes), "generating responses", progress)
     responses = _generate(generator_model, tokenizer, prefixes, settings, _rate_ticker(bar), journal, known)
     bar.close()
     if generator_model is None:
-        pass  # every answer was known: the float32 target is loaded already
-    elif settings.generation_dtype == "float32":
+        pass  # every answer was known: the feature copy is loaded already
+    elif settings.generation_dtype == settings.feature_dtype:
         model = generator_model
     else:
         del generator_model
-        if device.type == "cuda":
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        model, _ = load_target_model(target_path, device=device)
+        model, _ = load_placed_target(target_path, features, placement, progress)
     pairs = zip(prefixes, responses, strict=True)
     return model, [((pre + resp)[: settings.max_length], len(pre)) for pre, resp in pairs]
 
@@ -458,10 +493,11 @@ def _rate_ticker(bar):
     return tick
 
 
-def _given_sequences(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, device: torch.device):
-    """Reference or no answers: (float32 target, [(ids, prompt length or 0)]). ``reference`` skips prompts without
-    one; ``none`` keeps the prompt alone, every position of it in the loss."""
-    model, tokenizer = load_target_model(target_path, device=device)
+def _given_sequences(target_path: Path, prompts: list[Prompt], settings: TeacherSettings, placement: Placement,
+                     progress: bool):
+    """Reference or no answers: (feature copy of the target, [(ids, prompt length or 0)]). ``reference`` skips
+    prompts without one; ``none`` keeps the prompt alone, every position of it in the loss."""
+    model, tokenizer = load_placed_target(target_path, getattr(torch, settings.feature_dtype), placement, progress)
     sequences: list[tuple[list[int], int]] = []
     for p in prompts:
         answer = p.reference if settings.responses == "reference" else None
