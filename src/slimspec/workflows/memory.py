@@ -89,10 +89,11 @@ def target_parts_bytes(target_vocab: int, target_hidden: int) -> int:
     return 2 * FLOAT32 * target_vocab * target_hidden
 
 
-def feature_pass_bytes(params: int, layers: int, target_hidden: int, tokens: int) -> int:
-    """The float32 target taking the drafter's features, one sequence at a time: ``P*4 + (L+1)*T*Ht*4`` (its
-    weights, then every layer's hidden state of a ``T``-token sequence); grows with the target's size."""
-    return FLOAT32 * params + FLOAT32 * (layers + 1) * tokens * target_hidden
+def feature_pass_bytes(params: int, layers: int, target_hidden: int, tokens: int, element: int = FLOAT32) -> int:
+    """The target taking the drafter's features in the feature dtype (``e`` bytes: float32 4, bf16 2), one sequence
+    at a time: ``P*e + (L+1)*T*Ht*e`` (its weights, then every layer's hidden state of a ``T``-token sequence);
+    grows with the target's size."""
+    return element * params + element * (layers + 1) * tokens * target_hidden
 
 
 def answering_bytes(params: int, element: int, layers: int, kv_width: int, batch: int, tokens: int,

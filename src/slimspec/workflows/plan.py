@@ -639,7 +639,12 @@ def _teacher_stages(job: ConvertJob, shape: DrafterShape, tconfig: dict[str, Any
     generation = options.generation_dtype or default_generation_dtype(device=device)
     gen_element = torch_dtype(generation).itemsize
     static = options.engine == "static" and device == "cpu"
-    features = memory.feature_pass_bytes(params, layers, ht, options.max_length)
+    feature = options.feature_dtype or "float32"  # auto: float32 unless a float32 copy does not fit (read at run time)
+    feature_element = torch_dtype(feature).itemsize
+    features = memory.feature_pass_bytes(params, layers, ht, options.max_length, feature_element)
+    if options.max_memory:
+        notes.append(f"the target is sharded within the max_memory budgets {options.max_memory} (weights beyond "
+                     f"them on disk); the teacher-data stage counts it whole on {device}")
     answering = memory.answering_bytes(params, gen_element, layers, kv_width, options.generation_batch,
                                        per_sequence, vt)
     target_run = memory.teacher_target_bytes(features, answering, regenerate=options.responses == "regenerate",
@@ -648,11 +653,11 @@ def _teacher_stages(job: ConvertJob, shape: DrafterShape, tconfig: dict[str, Any
     host = held + memory.target_parts_bytes(vt, ht)  # the conversion and the target's head and embedding
     on_host = device == "cpu"
     if options.responses != "regenerate":
-        what = "float32 target P*4 + one sequence's states"
+        what = f"{feature} target P*{feature_element} + one sequence's states"
     elif static:
         what = f"{generation} target P*{gen_element} + KV cache + the batch's states"
     else:
-        what = f"max(float32 target P*4 + states, {generation} target P*{gen_element} + KV cache)"
+        what = f"max({feature} target P*{feature_element} + states, {generation} target P*{gen_element} + KV cache)"
     _stage(stages, "teacher data", device, target_run + (host if on_host else 0),
            what + (" + held + target head and embedding" if on_host else ""))
     if not on_host:
