@@ -99,6 +99,17 @@ def test_auto_feature_dtype_is_float32_only_where_a_float32_copy_fits(tiny_targe
         feature_dtype_for(tiny_target, Placement(), "float64")
 
 
+def test_float32_features_must_fit_the_gpus_not_the_host_beside_them(tiny_target, monkeypatch, pretend_gpus):
+    """Catches float32 features chosen because host memory could take the layers the GPU cannot (a float32 copy
+    spilling to the CPU runs many times slower than a bf16 copy whole on the GPU)."""
+    pretend_gpus(1)
+    size = weight_bytes(tiny_target, torch.float32)
+    monkeypatch.setattr(placement, "available_memory", lambda device: size if device.type == "cuda" else 100 * size)
+    assert feature_dtype_for(tiny_target, Placement()) == "bfloat16"
+    assert Placement().budgets(tiny_target, torch.bfloat16) is None  # the bf16 copy whole on the GPU
+    assert feature_dtype_for(tiny_target, Placement.of(None, f"0={size}B,cpu=1GiB")) == "float32"
+
+
 def test_data_options_resolve_the_dtypes_against_the_target(tiny_target):
     """Catches the feature dtype lost on the way to the teacher settings, or a float32 answering copy kept (auto)
     where a float32 copy does not fit."""

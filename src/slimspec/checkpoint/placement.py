@@ -72,12 +72,18 @@ class Placement:
         return int(WHOLE_SHARE * available_memory(self.main_device))
 
     def fast_memory(self) -> int:
-        """Bytes of device and host memory the target may take (disk beyond it)."""
-        if self.max_memory is not None:
-            return sum(self.max_memory.values())
-        if _explicit(self.device):
-            return self.whole_room()
-        return max(self.whole_room(), sum(default_budgets().values()))
+        """Bytes of the memory a float32 copy must fit for float32 features: the GPUs the target may use (their
+        budgets), or the CPU's where it runs on the CPU alone. Host memory beside GPUs holds layers that run many
+        times slower, and disk slower still: a 16-bit copy on the GPUs beats a float32 one spilling there."""
+        budgets = self.max_memory
+        if budgets is None:
+            if _explicit(self.device):
+                return self.whole_room()
+            budgets = default_budgets()
+        gpus = [size for key, size in budgets.items() if key != "cpu"]
+        if gpus:
+            return sum(gpus)
+        return budgets.get("cpu", 0) if self.max_memory is not None else self.whole_room()
 
 
 def _explicit(device: str | None) -> bool:
