@@ -140,3 +140,26 @@ def test_feature_dtype_keys_the_cache_and_float32_keeps_the_old_key(tmp_path):
     payload = {"v": CACHE_VERSION, "target": target_fingerprint(tmp_path), "prompts": prompts_fingerprint(prompts),
                "settings": {**fields, "seed": 0, "temperature": 0.0}}
     assert keys["float32"] == hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def test_cli_flags_and_manifest_keys_reach_the_placement(tmp_path, monkeypatch):
+    """Catches --max-memory, --offload-folder or --feature-dtype (and their manifest keys) dropped on the way to
+    the teacher data: the target would load whole, or in float32, as if they were never given."""
+    import slimspec.cli as cli
+    from slimspec.workflows.job import data_options_from
+
+    seen = {}
+
+    def distil(checkpoint, target, **kwargs):
+        seen["options"] = kwargs["data_options"]
+        raise OptionError("stop here")
+
+    monkeypatch.setattr(cli, "run_distill", distil)
+    result = CliRunner().invoke(cli.main, ["distill", "ckpt", "--device", "cpu", "--max-memory", "cpu=1GiB",
+                                           "--offload-folder", str(tmp_path), "--feature-dtype", "bfloat16"])
+    assert "stop here" in result.output
+    manifest = data_options_from({"device": "cpu", "max_memory": "cpu=1GiB", "offload_folder": tmp_path,
+                                  "feature_dtype": "bfloat16"})
+    for options in (seen["options"], manifest):
+        assert options.placement() == Placement("cpu", {"cpu": GIB}, tmp_path)
+        assert options.teacher_settings((1, 2, 3)).feature_dtype == "bfloat16"
