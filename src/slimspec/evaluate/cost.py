@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from slimspec.kernels.screen import screen_rescore, screen_share
+
 
 def flop_floor(vocab: int, hidden: int, rank: int, source_vocab: int | None = None) -> float:
     """(r*d + V*r) / (V_src*d): the FLOP ratio of the low-rank head to the full one."""
@@ -189,8 +191,6 @@ def screen_head_latency(vocab: int, hidden: int, rank: int, shortlist: int, *, h
     and rescore (``slimspec.kernels.screen_rescore``: its Triton path on a GPU, the fast torch path on the CPU;
     the exact rows are the full head's, as in a converted drafter) and a trimmed head of ``trim_rows`` rows
     (default: the screen's multiply-add share of V). Each time is also given as nu, a share of the full head's."""
-    from slimspec.kernels.screen import screen_rescore, screen_share
-
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(vocab, hidden, generator=g).to(device=device, dtype=dtype)
     up = torch.randn(vocab, rank, generator=g).to(device=device, dtype=dtype)
