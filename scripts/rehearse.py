@@ -22,6 +22,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -31,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "out" / "rehearsal"
 PAGE = 1 << 30
 PLAN_OF = {"head read": "head read", "gram + eigenvalues": "gram + eigenvalues", "factorisation": "factorisation",
-           "target head + embedding": "teacher data", "teacher answers": "teacher data",
+           "target head + embedding": "teacher data",
+           "factorisation + target head and embedding": "teacher data", "teacher answers": "teacher data",
            "teacher features": "teacher data", "student features": "whitened covariance",
            "whitened covariance": "whitened covariance", "held-out KL": "whitened covariance",
            "teacher table": "teacher table", "steps": "distillation", "write": "write", "verify": "verify"}
@@ -196,6 +198,11 @@ def replan(path: Path) -> dict:
     return record
 
 
+def stopped(signum, frame) -> None:
+    """SIGTERM (a memory watchdog): stop the conversion as Ctrl-C would, so the stages so far are recorded."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def rehearse(args: argparse.Namespace) -> dict:
     """Plan, then run and measure one job; the record written to ``out/rehearsal/<name>.json``."""
     name = f"{args.family}-{args.job}"
@@ -209,17 +216,22 @@ def rehearse(args: argparse.Namespace) -> dict:
     meter = StageMeter()
     install_markers(meter)
     started = time.perf_counter()
-    run_cli(argv + ["--json"])
+    signal.signal(signal.SIGTERM, stopped)
+    failure = None
+    try:
+        run_cli(argv + ["--json"])
+    except (Exception, KeyboardInterrupt) as exc:  # a killed or failed run still records its finished stages
+        failure = f"{type(exc).__name__}: {exc}"
     total = time.perf_counter() - started
     stages = meter.stop()
-    report = json.loads((out / "slimspec.json").read_text())
+    report = json.loads((out / "slimspec.json").read_text()) if failure is None else {}
     rows = compare(stages, planned)
     record = {"name": name, "family": args.family, "job": args.job, "command": "slimspec " + " ".join(argv),
               "prompts": args.prompts, "new_tokens": args.new_tokens, "steps": args.steps,
               "baseline_rss": baseline, "total_seconds": round(total, 1), "stages": rows, "plan": plan,
               "report": {k: report.get(k) for k in ("rank", "head_vocab", "energy_kept", "relative_frobenius_error",
                                                     "timings", "init_kl", "teacher")},
-              "load": os.getloadavg(), "cpus": os.cpu_count()}
+              "load": os.getloadavg(), "cpus": os.cpu_count(), "failure": failure}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{name}.json").write_text(json.dumps(record, indent=2))
     shutil.rmtree(cache, ignore_errors=True)
@@ -232,6 +244,7 @@ def table(records: list[dict]) -> str:
     lines = ["| job | planned stage | measured stages (s) | peak RSS (GiB) | predicted (GiB) | measured / predicted |",
              "|---|---|---|---:|---:|---:|"]
     for rec in records:
+        name = rec["name"] + (" (stopped)" if rec.get("failure") else "")
         groups: dict[str, list[dict]] = {}
         for row in rec["stages"]:
             groups.setdefault(row["planned_stage"] or row["stage"], []).append(row)
@@ -240,7 +253,7 @@ def table(records: list[dict]) -> str:
             predicted = rows[0]["predicted"]
             parts = ", ".join(f"{r['stage']} {r['seconds']:.1f}" for r in rows)
             cells = f"{predicted / PAGE:.2f} | {peak / predicted:.2f}" if predicted else "- | -"
-            lines.append(f"| {rec['name']} | {planned} | {parts} | {peak / PAGE:.2f} | {cells} |")
+            lines.append(f"| {name} | {planned} | {parts} | {peak / PAGE:.2f} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
