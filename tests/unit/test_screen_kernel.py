@@ -222,3 +222,38 @@ def test_rescore_screen_of_a_given_screen():
     torch.testing.assert_close(scaled.double().gather(1, ids64), 0.5 * logits64.gather(1, ids64), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="float32"):
         screen.rescore_screen(h, given.double(), w_exact, K, HOT)
+
+
+_COMPILE_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from slimspec.kernels import triton_screen as ts
+
+fn = ts._rescore_kernel
+for name in ("bf16", "fp16", "fp32"):
+    types = {"h_ptr": f"*{name}", "w_ptr": f"*{name}", "ids_ptr": "*i64", "logits_ptr": "*fp32", "pmax_ptr": "*fp32",
+             "pid_ptr": "*i64"}
+    constexprs = {"BLOCK_M": ts.BLOCK_M, "BLOCK_D": ts.BLOCK_D, "stride_hd": 1, "stride_wd": 1}
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert kernel.asm.get("cubin"), name
+"""
+
+
+@pytest.mark.slow
+def test_gathered_kernel_compiles_for_sm90(tmp_path):
+    """Catches what the interpreter cannot see: a gathered rescoring kernel that does not lower to GPU code (the
+    indexed 2-D loads, the int64 id reduction) — it must compile for the H200's sm_90 in every dtype, no GPU
+    needed."""
+    if not kernels.triton_available():
+        pytest.skip("triton is not installed")
+    import subprocess
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
