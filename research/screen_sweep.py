@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-data", default="src/slimspec/data/eval/mt_bench.jsonl")
     parser.add_argument("--save", default=None, help="folder to save each point's head tensors (pt) in")
     parser.add_argument("--json", default=None, help="append one JSON line per point to this file")
+    parser.add_argument("--heads", default=None, help="comma-separated converted screen drafters to measure as well")
     args = parser.parse_args(argv)
 
     import torch
@@ -64,7 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     hot_order = torch.argsort(-(counts - torch.arange(vocab, dtype=torch.float64) * 1e-9))
     print(f"calibration states {int((cal_feats.weight > 0).sum())}, eval states {states.shape[0]}", flush=True)
     teacher_head = self_teacher_head(ckpt, parts, vocab)
-    for point in args.points.split(","):
+    for folder in (args.heads or "").split(",") if args.heads else []:
+        head = drafter_model(load_drafter(folder), parts).lm_head
+        with torch.no_grad():
+            agree = float((head.greedy(states) == reference).float().mean())
+        row = {"folder": folder, "rank": head.rank, "shortlist": head.shortlist, "hot_rows": head.hot_rows,
+               "cost": head.multiply_add_share(), "agreement": agree}
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    for point in (args.points.split(",") if args.points else []):
         r, k, *rest = (int(x) for x in point.split(":"))
         n = rest[0] if rest else 0
         hot = torch.sort(hot_order[:n]).values if n else None
