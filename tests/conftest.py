@@ -18,14 +18,16 @@ from tests.layouts import Spec, write_drafter, write_target
 
 @pytest.fixture
 def pretend_gpus(monkeypatch):
-    """``pretend_gpus(n)``: torch.cuda says n GPUs are there (these machines have none) and $SLIMSPEC_DEVICE is
-    cleared (it pins the CPU above), so `auto` choices see the pretended GPUs. Nothing can run on them."""
+    """``pretend_gpus(n)``: torch.cuda says n GPUs are there (these machines have none), each with 80 GB free, and
+    $SLIMSPEC_DEVICE is cleared (it pins the CPU above), so `auto` choices see the pretended GPUs. Nothing can run on
+    them."""
     import torch
 
     def pretend(count: int = 1) -> None:
         monkeypatch.delenv("SLIMSPEC_DEVICE", raising=False)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * 10**9, 80 * 10**9))
 
     return pretend
 

@@ -27,9 +27,9 @@ def test_generation_batch_and_answers_reach_the_teacher(tmp_path, monkeypatch):
     ``DataOptions.device`` dropped (`--device cuda` would build on the CPU)."""
     seen = []
 
-    def record(path, prompts, settings, progress, answers=None, device=None):
+    def record(path, prompts, settings, progress, answers=None, placement=None):
         seen.append((settings, answers))
-        assert device == "cpu"
+        assert placement.device == "cpu"
 
     monkeypatch.setattr(scratch, "build_teacher_data", record)
     monkeypatch.setattr(pipeline, "build_teacher_data", record)

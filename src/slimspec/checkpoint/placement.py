@@ -129,7 +129,7 @@ def weight_bytes(target_path: Path, dtype: torch.dtype) -> int:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         stored = sum(f.stat().st_size for f in folder.glob("*.bin"))
-        return stored * dtype.itemsize // stored_dtype(folder).itemsize
+        return stored * dtype.itemsize // stored_dtype(folder).itemsize if stored else 0
     total = 0
     for path in files:
         with safe_open(str(path), "pt") as handle:
