@@ -214,10 +214,15 @@ class ScreenRescoreHead(LowRankHead):
         return out
 
 
-def screen_shortlist(screen: Tensor, shortlist: int, hot_ids: Tensor | None = None) -> Tensor:
+def screen_shortlist(screen: Tensor, shortlist: int, hot_ids: Tensor | None = None, exact_ties: bool = True
+                     ) -> Tensor:
     """Ids [..., K + N] a screen rescores: the top ``shortlist`` of ``screen`` [..., V] (equal scores: the lower id
-    first), then ``hot_ids`` [N] (a token in both appears twice; its exact score is the same)."""
-    top = torch.sort(screen.detach(), dim=-1, descending=True, stable=True)[1][..., :shortlist]
+    first), then ``hot_ids`` [N] (a token in both appears twice; its exact score is the same). ``exact_ties=False``:
+    ``torch.topk``'s order among equal scores at the K-th place (several times faster on a CPU; what training uses)."""
+    if not exact_ties:
+        top = torch.topk(screen.detach(), shortlist, dim=-1, sorted=False).indices
+    else:
+        top = torch.sort(screen.detach(), dim=-1, descending=True, stable=True)[1][..., :shortlist]
     if hot_ids is None or not hot_ids.numel():
         return top
     return torch.cat([top, hot_ids.to(top.device).expand(*top.shape[:-1], hot_ids.numel())], dim=-1)

@@ -384,7 +384,7 @@ def _two_level_chunk(h: Tensor, w_down: Tensor, w_up: Tensor, w_exact: Tensor, h
                      teacher: Tensor, coef: Tensor, shortlist: int, log_probs: bool) -> Tensor:
     """sum_t coef_t KL(p_t || q_t) of one token chunk; ``teacher`` [n, V] its logits (or log-probabilities)."""
     screen = (h @ w_down.T) @ w_up.T
-    ids = screen_shortlist(screen, shortlist, hot_ids)
+    ids = screen_shortlist(screen, shortlist, hot_ids, exact_ties=False)  # equal float screens: measure zero
     exact = torch.bmm(w_exact[ids].to(h.dtype), h[:, :, None])[..., 0]  # only the shortlist's rows
     log_q = torch.log_softmax(screen.scatter(-1, ids, exact), dim=-1)
     log_p = teacher if log_probs else torch.log_softmax(teacher, dim=-1)
