@@ -36,7 +36,10 @@ def test_plane_and_rank_auto_on_tiny_target(tiny_target, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     kinds = [p["kind"] for p in report["points"]]
-    assert kinds == ["full"] + ["slimspec"] * 4 + ["vocabtrim", "frspec"]
+    assert kinds == ["full"] + ["slimspec"] * 4 + ["screen", "vocabtrim", "frspec"]  # --screens 16:240 by default
+    screen = report["points"][5]
+    assert screen["name"] == "Screen r=16 K=240" and screen["share"] == pytest.approx((16 * (2048 + 32) + 240 * 32)
+                                                                                      / (2048 * 32))
     names = [p["name"] for p in report["points"]]
     assert names[1:5] == ["SlimSpec r=d/4", "SlimSpec r=d/8", "SlimSpec r=d/4 (draft vocab)",
                           "SlimSpec r=d/8 (draft vocab)"]
@@ -57,11 +60,13 @@ def test_plane_and_rank_auto_on_tiny_target(tiny_target, tmp_path):
                                        "--device", "cpu"])  # where the teacher data is computed: honoured
     assert result.exit_code == 0, result.output
     saved = json.loads((tmp_path / "auto" / "slimspec.json").read_text())
-    points = [p for p in saved["rank_auto"]["points"] if p["kind"] == "slimspec"]
+    points = [p for p in saved["rank_auto"]["points"] if p["kind"] in ("slimspec", "screen")]
+    assert [p["kind"] for p in points].count("screen") == 1  # --vocab draft: the screen is a candidate too
     # rho_TPS at kappa 1 = rho_tau * 2 / (1 + nu), recomputed here from the measured points
     best = max(points, key=lambda p: p["rho_tau"] * 2 / (1 + p["nu"]))
     assert saved["rank_auto"]["chosen"] == best["name"] and saved["rho_tau"] == best["rho_tau"]
-    assert saved["rank"] == parse_rank(best["name"].split("=")[1], 32) == json.loads(result.stdout)["rank"]
+    rank = 16 if best["kind"] == "screen" else parse_rank(best["name"].split("=")[1], 32)
+    assert saved["rank"] == rank == json.loads(result.stdout)["rank"]
     assert saved["vocab_mode"] == "draft" and saved["head_vocab"] == 2048  # --vocab reaches the candidates
     folders = {p["name"]: p["folder"] for p in saved["rank_auto"]["points"]}  # no dangling temporary folders
     assert folders[best["name"]] == str(tmp_path / "auto") and Path(folders["full head"]).resolve() == tmp_path / "d"
