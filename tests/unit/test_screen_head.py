@@ -61,7 +61,7 @@ def test_greedy_differs_from_two_level_argmax_and_ties_go_low():
     exact[4, 1] = 0.5
     head = ScreenRescoreHead(up, down, exact, shortlist=3)
     h = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
-    assert head.shortlist_ids(head.screen(h)).tolist() == [[4, 0, 1]]  # 2 ties with 1 and loses the K-th slot
+    assert sorted(head.shortlist_ids(head.screen(h))[0].tolist()) == [0, 1, 4]  # 2 ties with 1, loses the K-th slot
     assert int(head.greedy(h)) == 1
     head = ScreenRescoreHead(up, down, exact, shortlist=4)
     assert int(head.greedy(h)) == 1  # 1 and 2 tie exactly: the lower id
