@@ -220,7 +220,7 @@ def rehearse(args: argparse.Namespace) -> dict:
     failure = None
     try:
         run_cli(argv + ["--json"])
-    except (Exception, KeyboardInterrupt) as exc:  # a killed or failed run still records its finished stages
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:  # a stopped or failed run records its stages so far
         failure = f"{type(exc).__name__}: {exc}"
     total = time.perf_counter() - started
     stages = meter.stop()
