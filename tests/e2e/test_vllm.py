@@ -714,3 +714,34 @@ def test_screen_checkpoint_is_served_as_the_reference_decoder_runs_it(target, ba
     assert spec["num_drafts"] == ours["rounds"]
     assert spec["accepted_per_pos"] == [round(a * ours["rounds"]) for a in ours["acceptance_per_position"]]
     assert report["tau"] == pytest.approx(ours["tau"], abs=1e-9)
+
+
+def _sliding_window_drafter(folder: Path, window: int = 8) -> Path:
+    """The embedded drafter with a sliding window of ``window`` keys on its layer (``layer_types`` and
+    ``sliding_window``, as gpt-oss drafters' configs carry them): at 2 mt_bench prompts x 32 tokens, K=3, the
+    reference decoder accepts 15/4/0 in 44 rounds at 8 keys, 13/5/0 in 45 at 7 and 13/5/1 in 44 at 9."""
+    source = Path(embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False))
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "layer_types": ["sliding_attention"],
+                                                    "sliding_window": window}))
+    return folder
+
+
+def test_sliding_window_drafter_is_served_as_the_reference_decoder_runs_it(target, baseline, tmp_path):
+    """A sliding-window drafter before conversion (vLLM's own EAGLE-3 class) and after (the plugin, SVD at rank 432
+    over the draft vocabulary): vLLM must accept at each draft position exactly what the reference decoder, which
+    applies the window, accepts, keep the greedy output and serve the converted head; the window moves the reference's
+    counts. Catches a conversion that drops layer_types or sliding_window (vLLM would serve full attention), and a
+    window in the reference decoder off by one or counted otherwise than vLLM's cache counts it."""
+    from slimspec.evaluate.acceptance import evaluate
+
+    source = _sliding_window_drafter(tmp_path / "windowed")
+    prompts = _prompts()[:2]
+    plain = evaluate(embedded.EMBEDDED_DRAFTER, embedded.EMBEDDED_TARGET, num_prompts=len(prompts),
+                     max_new_tokens=MAX_NEW_TOKENS, draft_tokens=DRAFT_TOKENS, progress=False)
+    runs = _served_counts_as_the_reference(target, baseline, source, tmp_path, "sliding window 8", prompts,
+                                           note=f"; without the window {plain['tau']:.4f}")
+    converted, _, ours = runs[-1]
+    assert json.loads((converted / "config.json").read_text())["layer_types"] == ["sliding_attention"]
+    assert runs[0][2]["acceptance_per_position"] != plain["acceptance_per_position"], "the window changed nothing"
