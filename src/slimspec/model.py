@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from slimspec.checkpoint.drafter import LOWRANK_DOWN, SCREEN_EXACT, SCREEN_HOT_IDS, DrafterCheckpoint, DrafterConfig
 from slimspec.checkpoint.target_model import TargetParts
 from slimspec.errors import CheckpointError
+from slimspec.kernels.shortlist import shortlist_argmax, topk_lower_ids
 
 # (keys, values), each [B, kv_heads, S, head_dim], RoPE already applied; a multi-layer drafter's cache stacks its
 # layers' kv heads on dim 1, [B, layers * kv_heads, S, head_dim], so cropping and lengths read dim 2 alike
@@ -200,8 +201,8 @@ class ScreenRescoreHead(LowRankHead):
         """The exact argmax over the shortlist [...], ties toward the lower token id."""
         ids = self.shortlist_ids(self.screen(h))
         scores = self.exact_scores(h, ids)
-        best = scores.amax(-1, keepdim=True)
-        return torch.where(scores == best, ids, self.up.shape[0]).amin(-1)
+        flat = shortlist_argmax(scores.reshape(-1, scores.shape[-1]), ids.reshape(-1, ids.shape[-1]))
+        return flat.reshape(ids.shape[:-1])
 
     def multiply_add_share(self) -> float:
         """Multiply-adds per token as a share of the full ``V x d`` head's: ``(r (V + d) + (K + N) d) / (V d)``."""
@@ -222,7 +223,8 @@ def screen_shortlist(screen: Tensor, shortlist: int, hot_ids: Tensor | None = No
     if not exact_ties:
         top = torch.topk(screen.detach(), shortlist, dim=-1, sorted=False).indices
     else:
-        top = torch.sort(screen.detach(), dim=-1, descending=True, stable=True)[1][..., :shortlist]
+        flat = screen.detach().reshape(-1, screen.shape[-1])
+        top = topk_lower_ids(flat, shortlist).reshape(*screen.shape[:-1], shortlist)
     if hot_ids is None or not hot_ids.numel():
         return top
     return torch.cat([top, hot_ids.to(top.device).expand(*top.shape[:-1], hot_ids.numel())], dim=-1)
