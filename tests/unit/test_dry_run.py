@@ -6,6 +6,7 @@ Shapes: d = Ht = 4096, V = 128256 (target), Vd = 32000 (yuhuili's draft vocabula
 
 import pytest
 
+from slimspec import hardware
 from slimspec.checkpoint.drafter import load_drafter
 from slimspec.workflows import memory, plan
 from tests.layouts import Spec, write_drafter
@@ -103,6 +104,6 @@ def test_free_memory_reads_memavailable(tmp_path):
     counts as available), or 0 (every plan refused)."""
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:  100 kB\nMemFree:  5 kB\nMemAvailable:  42 kB\n")
-    assert plan.host_available(meminfo) == 42 * 1024
-    assert plan.host_available(tmp_path / "missing") > 0  # elsewhere: the free pages
+    assert hardware.host_available(meminfo) == 42 * 1024
+    assert hardware.host_available(tmp_path / "missing") > 0  # elsewhere: the free pages
     assert plan.free_memory("cpu") > 0

@@ -31,7 +31,7 @@ from slimspec.convert.rank import parse_rank
 from slimspec.distill.teacher_table import TABLE_BYTES_ENV, table_budget, table_dtype
 from slimspec.dtypes import torch_dtype
 from slimspec.errors import CheckpointError, OptionError, RankError, SlimSpecError, first_line
-from slimspec.hardware import default_generation_dtype, resolve_device
+from slimspec.hardware import available_memory, default_generation_dtype, resolve_device
 from slimspec.hub import HUB_ID, TARGET_META_PATTERNS, WEIGHT_INDEXES
 from slimspec.prompts import PROMPT_SUFFIXES, load_prompts
 from slimspec.workflows import memory
@@ -271,23 +271,10 @@ def drafter_shape(facts: ModelFacts) -> DrafterShape:
 # Free memory
 
 
-def host_available(meminfo: Path = Path("/proc/meminfo")) -> int:
-    """The host's available memory: ``MemAvailable`` of /proc/meminfo, else the free pages."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def free_memory(device: str) -> int:
     """Bytes free now on ``device`` (``cpu`` or ``cuda:N``): ``torch.cuda.mem_get_info`` on a GPU, the host's
     available memory on the CPU."""
-    if device.startswith("cuda"):
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    return host_available()
+    return available_memory(torch.device(device))
 
 
 def device_label(name: str | None) -> str:
