@@ -21,21 +21,11 @@ from slimspec.distill.vllm_teacher import URL_ENV, serve_command
 from slimspec.prompts import Prompt
 from slimspec.vllm_env import ENGINE_ENV, vllm_python
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("vllm_venv")]
 
 PROMPTS = [Prompt("a", "What is the capital of France?"), Prompt("b", "Write a haiku about rain."),
            Prompt("c", "Name three prime numbers and explain why each is prime.")]
 COMMON = dict(responses="regenerate", max_new_tokens=16, dtype="float32", generation_dtype="float32")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_venv():
-    try:
-        return vllm_python()
-    except Exception as exc:
-        if os.environ.get("SLIMSPEC_REQUIRE_VLLM") == "1":
-            raise
-        pytest.skip(f"{exc}")
 
 
 @pytest.fixture(scope="module")
