@@ -70,7 +70,7 @@ def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: Voc
             raise OptionError("the drafter has no LM head of its own: {target} is needed to factorise the target's",
                               "target")
         ids = ckpt.draft_to_target_ids()
-        rows = head.float().clone() if head is not None else target.weight[ids].float().clone()
+        rows = head.to(torch.float32, copy=True) if head is not None else target.weight[ids].float()
         return ckpt.rows_in_target_order(rows), head.shape[0] if head is not None else 0
     if target is None:
         raise OptionError("{vocab} full needs {target} (rows outside the draft vocab come from the target's head)",
@@ -79,7 +79,7 @@ def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: Voc
         raise OptionError(
             f"{{vocab}} full needs drafter hidden ({cfg.hidden_size}) == target hidden ({target.hidden_size}); "
             "use {vocab} draft to keep the draft vocabulary", "vocab")
-    weight = target.weight.float().clone()
+    weight = target.weight.to(torch.float32, copy=True)  # one float32 copy (.float().clone() made two at once)
     if head is None:
         return weight, 0
     ids = ckpt.draft_to_target_ids()
@@ -95,7 +95,7 @@ def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: Voc
 
 def check_finite_head(weight: torch.Tensor, rows_from_drafter: int, vocab: VocabMode) -> None:
     """A head holding inf or NaN has no SVD (LAPACK fails deep inside, "Internal Error"): name the row instead."""
-    bad = ~torch.isfinite(weight).all(dim=1)
+    bad = torch.cat([~torch.isfinite(weight[a:a + 4096]).all(dim=1) for a in range(0, weight.shape[0], 4096)])
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         whose = "the drafter's head" if vocab == "draft" or rows_from_drafter == weight.shape[0] else \
