@@ -36,7 +36,8 @@ PLAN_OF = {"head read": "head read", "gram + eigenvalues": "gram + eigenvalues",
            "factorisation + target head and embedding": "teacher data", "teacher answers": "teacher data",
            "teacher features": "teacher data", "student features": "whitened covariance",
            "whitened covariance": "whitened covariance", "held-out KL": "whitened covariance",
-           "teacher table": "teacher table", "steps": "distillation", "write": "write", "verify": "verify"}
+           "teacher table": "teacher table", "steps": "distillation", "output tensors": "write", "write": "write",
+           "verify": "verify"}
 """Measured stage -> the planned stage that bounds it."""
 
 
@@ -134,6 +135,7 @@ def install_markers(meter: StageMeter) -> None:
     wrap(pipeline, "evaluate_kl", "held-out KL")
     wrap(train, "frozen_teacher_table", "teacher table")
     wrap(train, "_train", "steps", "held-out KL")
+    wrap(convert, "lowrank_tensors", "output tensors")
 
 
 def job_args(args: argparse.Namespace, out: Path) -> list[str]:

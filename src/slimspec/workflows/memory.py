@@ -71,10 +71,11 @@ def factorize_bytes(vocab: int, hidden: int, rank: int, stored: int) -> int:
 
 
 def write_bytes(held: int, vocab: int, hidden: int, rank: int, out_element: int, rest: int) -> int:
-    """Writing the folder: ``held + rest + (V*r + r*d)*e``: the output tensors (the drafter's other tensors,
+    """Writing the folder: ``held + 2*(rest + (V*r + r*d)*e)``: the output tensors (the drafter's other tensors,
     ``rest`` bytes, and the pair in the output dtype of ``e`` bytes) made beside what the conversion holds
-    (``held``: :func:`factorize_bytes`)."""
-    return held + rest + out_element * pair_params(vocab, hidden, rank)
+    (``held``: :func:`factorize_bytes`), and the copy the writer hands to safetensors (measured at the 70B head:
+    12.45 GiB against 12.39 planned)."""
+    return held + 2 * (rest + out_element * pair_params(vocab, hidden, rank))
 
 
 def verify_bytes(written: int, vocab: int, hidden: int, rank: int, out_element: int, rest: int) -> int:
