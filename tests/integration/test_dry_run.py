@@ -117,7 +117,7 @@ def test_a_plan_that_does_not_fit_is_refused_in_one_line(no_weights, monkeypatch
     result = CliRunner().invoke(main, ["convert", DRAFTER, "--distill-steps", "0", "--dry-run"])
     assert result.exit_code == 2, (result.output, result.exception)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: needs ~0.58 GB on cpu, 0.05 GB free"), lines
+    assert len(lines) == 1 and lines[0].startswith("error: needs ~0.57 GB on cpu, 0.05 GB free"), lines
     assert "does not fit" in result.stdout
     _nothing_written(no_weights)
 

@@ -561,7 +561,8 @@ def conversion_plan(job: ConvertJob, out: Path | None = None) -> Plan:
            "inputs as stored + the float32 head V*d*4")
     _stage(stages, "gram + eigenvalues", "cpu", memory.gram_bytes(head_vocab, d, stored), "+ float64 Gram d*d*8")
     held = memory.factorize_bytes(head_vocab, d, r, stored)
-    _stage(stages, "factorisation", "cpu", held, "+ float32 factors V*r*4 + r*d*4")
+    _stage(stages, "factorisation", "cpu", held + memory.eigensolver_bytes(d),
+           "+ float32 factors V*r*4 + r*d*4 + the eigensolver's working copies 4*d*d*8")
     teacher_data = None
     device = device_label(job.data_options.device)
     if job.reads_data:
