@@ -230,3 +230,18 @@ def write_target(folder: Path, *, vocab: int = 301, hidden: int = 32, layers: in
     else:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     return head
+
+
+def assert_same_ttt_forward(src, out, tokens: int, aux_width: int = 96, hidden: int = 32) -> None:
+    """Two drafter checkpoints whose decoders must be untouched give bit-identical TTT unrolls (3 steps) on the same
+    seeded inputs (the embedding is a 49,152-token stand-in)."""
+    from slimspec.model import Eagle3Drafter
+
+    embed = torch.randn(49152, hidden, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 49152, (1, tokens + 3), generator=torch.Generator().manual_seed(1))
+    aux = torch.randn(1, tokens, aux_width, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a = Eagle3Drafter.from_checkpoint(src, embed_weight=embed).ttt_forward(ids, aux, 3)
+        b = Eagle3Drafter.from_checkpoint(out, embed_weight=embed).ttt_forward(ids, aux, 3)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)

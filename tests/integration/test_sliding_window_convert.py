@@ -7,7 +7,6 @@ import dataclasses
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 import slimspec
@@ -15,7 +14,7 @@ from slimspec.checkpoint import load_drafter
 from slimspec.cli import main
 from slimspec.distill.train import DistillConfig
 from tests.integration.test_distill import FEW
-from tests.layouts import Spec, write_drafter
+from tests.layouts import Spec, assert_same_ttt_forward, write_drafter
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +46,6 @@ def test_sliding_window_drafter_distils_with_its_window(tiny_target, tmp_path):
     converted with and without ``layer_types`` start from different held-out KLs (the teacher sequences are longer
     than the window of 8), the windowed one's output keeps the window, and its backbone computes the source's
     states."""
-    from slimspec.model import Eagle3Drafter
-
     runs = {}
     for name, spec in (("windowed", WINDOWED), ("full", dataclasses.replace(WINDOWED, sliding_window=None))):
         write_drafter(tmp_path / name, "speculators", spec)
@@ -60,11 +57,4 @@ def test_sliding_window_drafter_distils_with_its_window(tiny_target, tmp_path):
     _kept(tmp_path / "windowed-o")
     assert "layer_types" not in json.loads((tmp_path / "full-o" / "config.json").read_text())
     src, out = load_drafter(tmp_path / "windowed"), load_drafter(tmp_path / "windowed-o")
-    embed = torch.randn(49152, 32, generator=torch.Generator().manual_seed(0))
-    ids = torch.randint(0, 49152, (1, 15), generator=torch.Generator().manual_seed(1))
-    aux = torch.randn(1, 12, 96, generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        a = Eagle3Drafter.from_checkpoint(src, embed_weight=embed).ttt_forward(ids, aux, 3)
-        b = Eagle3Drafter.from_checkpoint(out, embed_weight=embed).ttt_forward(ids, aux, 3)
-    for x, y in zip(a, b, strict=True):
-        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert_same_ttt_forward(src, out, tokens=12)
