@@ -281,7 +281,7 @@ def test_distillation_keys_reach_the_loop_and_the_fingerprint(tmp_path, monkeypa
     ({"seed": 1.5}, "seed must be an integer"),
     ({"ttt_steps": 0}, "ttt_steps must be an integer >= 1"),
     ({"recipe": "fast"}, "recipe must be one of brief"),
-    # a blank YAML value is null: it used to pass the check and crash its job with int(None)
+    # a blank YAML value is null: it must be refused by the check, not crash its job with int(None)
     ({"max_new_tokens": None}, "max_new_tokens is null; leave it out"),
     ({"lr": None, "distill_steps": 2}, "lr is null"),
     # what convert refuses, a job refuses before any job runs (an SVD start without steps reads no data)

@@ -219,7 +219,7 @@ def test_resume_is_bit_for_bit(tiny_converted, tiny_target, tmp_path):
     with pytest.raises(SlimSpecError, match="other settings \\(bf16 False, now True\\)"):
         distill(tiny_converted, str(tiny_target), out=tmp_path / "part", config=DistillConfig(**cfg, bf16=True),
                 data_options=FEW, resume=True, progress=False)
-    # --resume where no run saved anything starts nothing (it used to start over and replace the output)
+    # --resume where no run saved anything starts nothing (it must not start over and replace the output)
     with pytest.raises(SlimSpecError, match="no checkpoint in .* to resume from"):
         distill(tiny_converted, str(tiny_target), out=tmp_path / "never", config=DistillConfig(**cfg),
                 data_options=FEW, resume=True, progress=False)
