@@ -71,6 +71,18 @@ def test_screen_options_refused(tmp_path, args, message):
     assert message in result.output
 
 
+def test_a_shortlist_alone_converts_over_the_draft_vocabulary(tmp_path):
+    """Catches `--shortlist` with distillation options but no `--vocab` refused for the default full vocabulary:
+    the exact rows are the drafter's own, so the shortlist means the draft vocabulary."""
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    write_target(tmp_path / "t")
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tmp_path / "t"), "--shortlist", "9",
+                                       "--distill-steps", "0", "-r", "4", "-o", str(tmp_path / "o"), "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["vocab_mode"] == "draft" and report["head_vocab"] == 97 and report["screen"]["shortlist"] == 9
+
+
 def test_a_screen_checkpoint_without_its_config_keys_is_refused(tmp_path):
     """Catches a folder whose exact rows lack the shortlist in config.json being read as a plain pair."""
     write_drafter(tmp_path / "d", "eagle", Spec())

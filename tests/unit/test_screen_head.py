@@ -84,7 +84,7 @@ def test_head_round_trips_through_canonical_tensors():
 
 def test_two_level_kl_and_gradients_match_float64():
     """Catches a loss on the wrong logits (the pair's alone), a gradient reaching the exact rows or the shortlisted
-    screen logits, or a token chunk dropped."""
+    screen logits, a token chunk dropped, or a backward that ignores the scale the loss is multiplied by."""
     up, down, exact, hot, h = _parts(2)
     g = torch.Generator().manual_seed(3)
     h = h.reshape(-1, D)
@@ -112,6 +112,10 @@ def test_two_level_kl_and_gradients_match_float64():
     assert float(got) == pytest.approx(float(expected), rel=1e-5)
     for mine, ref in zip(leaves, leaves64, strict=True):
         torch.testing.assert_close(mine.grad.double(), ref.grad, rtol=1e-3, atol=2e-5)
+    scaled = [t.clone().requires_grad_() for t in (h, down, up)]
+    (-3 * two_level_kl(*scaled, exact, K, hot, th, tw, weights=weights)).backward()  # training scales each TTT step
+    for mine, ref in zip(scaled, leaves64, strict=True):
+        torch.testing.assert_close(mine.grad.double(), -3 * ref.grad, rtol=1e-3, atol=6e-5)
     logits = th.double() @ tw.double().T
     log_probs = torch.log_softmax(logits, -1)
     table = two_level_kl(h.double(), down.double(), up.double(), exact.double(), K, hot, weights=weights,

@@ -22,7 +22,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import Tensor
 
 from slimspec.model import screen_shortlist
@@ -380,16 +379,76 @@ def top1_agreement(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, teacher
     return agree / total
 
 
-def _two_level_chunk(h: Tensor, w_down: Tensor, w_up: Tensor, w_exact: Tensor, hot_ids: Tensor | None,
-                     teacher: Tensor, coef: Tensor, shortlist: int, log_probs: bool) -> Tensor:
-    """sum_t coef_t KL(p_t || q_t) of one token chunk; ``teacher`` [n, V] its logits (or log-probabilities)."""
-    screen = (h @ w_down.T) @ w_up.T
+def _two_level_chunk(h: Tensor, z: Tensor, up: Tensor, w_exact: Tensor, hot_ids: Tensor | None, teacher: Tensor,
+                     coef: Tensor, shortlist: int, log_probs: bool, want_grad: bool
+                     ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """sum_t coef_t KL(p_t || q_t) of one token chunk (``teacher`` [n, V] its logits or log-probabilities) and, on
+    request, its gradients w.r.t. ``z = h W_down^T`` [n, r], ``W_up`` [V, r] and (through the exact rows) ``h``.
+
+    The exact scores are one dense ``h W_exact^T``, then gathered: a BLAS matmul is several times faster than
+    gathering K rows per token, and its gradient is one dense matmul of the shortlist-masked gradient."""
+    screen = z @ up.T
     ids = screen_shortlist(screen, shortlist, hot_ids, exact_ties=False)  # equal float screens: measure zero
-    exact = torch.bmm(w_exact[ids].to(h.dtype), h[:, :, None])[..., 0]  # only the shortlist's rows
-    log_q = torch.log_softmax(screen.scatter(-1, ids, exact), dim=-1)
+    exact = h @ w_exact.T
+    listed = torch.zeros_like(screen, dtype=torch.bool).scatter_(-1, ids, True)
+    log_q = torch.log_softmax(torch.where(listed, exact, screen), dim=-1)
     log_p = teacher if log_probs else torch.log_softmax(teacher, dim=-1)
     p = log_p.exp()
-    return (coef * torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)).sum()
+    loss = (coef * torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)).sum()
+    if not want_grad:
+        return loss, None, None, None
+    g = (log_q.exp() - p) * coef[:, None]
+    g_screen = torch.where(listed, 0.0, g)
+    return loss, g_screen @ up, g_screen.T @ z, torch.where(listed, g, 0.0) @ w_exact
+
+
+class _TwoLevelKL(torch.autograd.Function):
+    """Forward computes the loss and the gradients chunk by chunk; backward scales them by grad_output."""
+
+    @staticmethod
+    def forward(ctx: Any, student_hidden: Tensor, w_down: Tensor, w_up: Tensor, w_exact: Tensor,
+                hot_ids: Tensor | None, teachers: tuple, coef: Tensor, shortlist: int, chunk: int) -> Tensor:
+        loss, dz, dw_up, dh = _two_level_sum(student_hidden, w_down, w_up, w_exact, hot_ids, teachers, coef,
+                                             shortlist, chunk, want_grad=True)
+        ctx.save_for_backward(student_hidden, w_down, dz, dw_up, dh)
+        ctx.dtypes = (student_hidden.dtype, w_down.dtype, w_up.dtype)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        h, w_down, dz, dw_up, dh = ctx.saved_tensors
+        h_dtype, down_dtype, up_dtype = ctx.dtypes
+        grad_h = ((dz @ w_down.to(dz.dtype) + dh) * grad_output).to(h_dtype)
+        grad_down = ((dz.T @ h.to(dz.dtype)) * grad_output).to(down_dtype)
+        grad_up = (dw_up * grad_output).to(up_dtype)
+        return grad_h, grad_down, grad_up, None, None, None, None, None, None
+
+
+def _two_level_sum(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, w_exact: Tensor, hot_ids: Tensor | None,
+                   teachers: tuple, coef: Tensor, shortlist: int, chunk: int, want_grad: bool
+                   ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """The weighted two-level KL over every token chunk and, with ``want_grad``, the gradients w.r.t. ``z``,
+    ``w_up`` and ``h`` (exact path). ``teachers``: (teacher_hidden, teacher_head, teacher_logits, log_probs)."""
+    teacher_hidden, teacher_head, teacher_logits, log_probs = teachers
+    cdtype = coef.dtype
+    h_all, up, exact = student_hidden.to(cdtype), w_up.to(cdtype), w_exact.to(cdtype)
+    z_all = h_all @ w_down.to(cdtype).T
+    total = coef.new_zeros(())
+    dz = torch.zeros_like(z_all) if want_grad else None
+    dw_up = torch.zeros_like(up) if want_grad else None
+    dh = torch.zeros_like(h_all) if want_grad else None
+    for a in range(0, h_all.shape[0], chunk):
+        b = a + chunk
+        teacher = (teacher_logits[a:b].to(cdtype) if teacher_logits is not None else
+                   teacher_hidden[a:b].to(cdtype) @ teacher_head.to(cdtype).T)
+        loss, dz_t, dup_t, dh_t = _two_level_chunk(h_all[a:b], z_all[a:b], up, exact, hot_ids, teacher,
+                                                   coef[a:b], shortlist, log_probs, want_grad)
+        total = total + loss
+        if want_grad:
+            dz[a:b], dh[a:b] = dz_t, dh_t
+            dw_up += dup_t
+    return total, dz, dw_up, dh
 
 
 def two_level_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, w_exact: Tensor, shortlist: int,
@@ -403,10 +462,10 @@ def two_level_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, w_exact: 
 
     The teacher and the weights as in :func:`full_vocab_kl`. Gradients reach the pair through the tokens outside the
     shortlist (the top-K choice is a constant) and ``student_hidden`` through both levels; ``w_exact`` stays
-    constant. Memory: tokens are taken ``token_chunk`` at a time and each chunk's [token_chunk, V] logits are
-    recomputed in the backward (activation checkpointing), so no [T, V] tensor is held. ``matmul_dtype`` is accepted
-    for the caller's symmetry with :func:`full_vocab_kl` and ignored: this loss computes in float32 (float64 inputs
-    in float64).
+    constant. Like :func:`full_vocab_kl`, the forward computes the gradients as it goes (tokens ``token_chunk`` at a
+    time, a few [token_chunk, V] tensors live), so no [T, V] tensor is held and no logit is computed twice.
+    ``matmul_dtype`` is accepted for the caller's symmetry with :func:`full_vocab_kl` and ignored: this loss
+    computes in float32 (float64 inputs in float64).
     """
     del matmul_dtype
     _check(student_hidden, w_down, w_up, teacher_hidden, teacher_head, weights, teacher_logits)
@@ -416,25 +475,19 @@ def two_level_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, w_exact: 
     cdtype = _compute_dtype(student_hidden, w_down, w_up, *teachers)
     tokens, vocab = student_hidden.shape[0], w_up.shape[0]
     coef, keep = _token_coefficients(weights, tokens, cdtype, student_hidden.device)
-    if keep is not None:
+    if keep is not None:  # drop zero-weight tokens up front; autograd scatters their (zero) gradient back
         student_hidden = student_hidden[keep]
         teacher_hidden = teacher_hidden[keep] if teacher_logits is None else None
         teacher_logits = teacher_logits[keep] if teacher_logits is not None else None
         tokens = keep.numel()
-    total = (student_hidden.sum() * 0 + (w_down.sum() + w_up.sum()) * 0).to(cdtype)
-    # about five [n, V] tensors live per chunk (screen, logits, log q, teacher, p) and the [n, K + N, d] exact rows
-    rows = shortlist + (0 if hot_ids is None else hot_ids.numel())
-    chunk = token_chunk or max(1, min(_pick_token_chunk(tokens, vocab, cdtype) // 3,
-                                      BUFFER_BYTES // (8 * rows * student_hidden.shape[1])))
-    h_all, down, up = student_hidden.to(cdtype), w_down.to(cdtype), w_up.to(cdtype)
-    for a in range(0, tokens, chunk):
-        with torch.no_grad():
-            teacher = (teacher_logits[a:a + chunk].to(cdtype) if teacher_logits is not None else
-                       teacher_hidden[a:a + chunk].to(cdtype) @ teacher_head.to(cdtype).T)
-        args = (h_all[a:a + chunk], down, up, w_exact.detach(), hot_ids, teacher, coef[a:a + chunk], shortlist,
-                teacher_log_probs and teacher_logits is not None)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (h_all, down, up)):
-            total = total + torch.utils.checkpoint.checkpoint(_two_level_chunk, *args, use_reentrant=False)
-        else:
-            total = total + _two_level_chunk(*args)
-    return total
+    if tokens == 0:
+        return (student_hidden.sum() * 0 + (w_down.sum() + w_up.sum()) * 0).to(cdtype)
+    # about seven [n, V] tensors live per chunk (screen, exact, mask, log q, teacher, p, gradient)
+    chunk = token_chunk or max(1, _pick_token_chunk(tokens, vocab, cdtype) // 3)
+    spec = (teacher_hidden, teacher_head, teacher_logits, teacher_log_probs and teacher_logits is not None)
+    w_exact = w_exact.detach()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (student_hidden, w_down, w_up)):
+        return _TwoLevelKL.apply(student_hidden, w_down, w_up, w_exact, hot_ids, spec, coef, shortlist, chunk)
+    with torch.no_grad():
+        return _two_level_sum(student_hidden, w_down, w_up, w_exact, hot_ids, spec, coef, shortlist, chunk,
+                              want_grad=False)[0]

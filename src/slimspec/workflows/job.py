@@ -228,6 +228,8 @@ def conversion_job(options: dict[str, Any], given: Iterable[str] = (), **setting
               if options.get(name) is not None}
     if options.get("out") is not None:
         fields["out"] = Path(options["out"])
+    if fields.get("shortlist") and "vocab" not in given:  # the exact rows are the drafter's own
+        fields["vocab"] = "draft"
     job = ConvertJob(drafter=str(options["drafter"]), distill_steps=steps, data_options=data_options_from(options),
                      distill_config=distill_config_from(options, steps), given=given, **fields)
     return replace(job, **settings)
