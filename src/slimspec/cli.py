@@ -259,6 +259,11 @@ RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "over
 @click.option("--hot-rows", type=click.IntRange(min=0), default=0, show_default=True,
               help="With --shortlist: also rescore the N draft tokens most frequent in the target's answers to the "
                    "calibration prompts, always.")
+@click.option("--head-budget",
+              help="Pick the screen-and-rescore head (rank, --shortlist, --hot-rows; --vocab draft) whose greedy "
+                   "token agrees most often with the source head's on held-out calibration states, among those "
+                   "whose multiply-adds fit this budget: d/N (the cost of a plain rank-d/N pair) or a share of the "
+                   "full head's (0.06). Says what it picked and what the runners-up and the plain pair measured.")
 @click.option("--recipe", type=click.Choice(choices.RECIPES),
               help="brief (the default when neither --recipe nor --distill-steps is given): the demo's brief "
                    "distillation for every option not given (--vocab draft, 200 steps against the drafter's own "

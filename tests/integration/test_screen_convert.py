@@ -126,3 +126,26 @@ def test_distilled_screen_decodes_losslessly_and_distils_again(tiny_target, tmp_
     assert again.is_screen and again.shortlist == 20 and again.hot_rows == 3
     assert torch.equal(again.tensors["lm_head_exact.weight"], ckpt.tensors["lm_head_exact.weight"])
     assert torch.equal(again.tensors["lm_head_hot_ids"], ckpt.tensors["lm_head_hot_ids"])
+
+
+def test_head_budget_picks_a_screen_and_writes_what_it_picked(tiny_target, tmp_path):
+    """Catches `--head-budget` writing other sizes than it reports, a pick that is not the best measured candidate,
+    or one over the budget: the folder's rank, K and N are the report's choice, the most agreeing screen."""
+    from slimspec.checkpoint.target_model import load_target_model
+
+    vocab = load_target_model(tiny_target)[0].config.vocab_size
+    write_drafter(tmp_path / "d", "eagle", Spec(vocab=vocab, draft_vocab=512, hidden=32, target_hidden=32))
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tiny_target), "--head-budget",
+                                       "d/4", "--init", "whitened", "--distill-steps", "0", "--num-prompts", "6",
+                                       "--max-new-tokens", "8", "-o", str(tmp_path / "o"), "--json", "--device",
+                                       "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "head budget 0.266 of the full head's multiply-adds: screen r=" in result.stderr
+    report = json.loads(result.stdout)
+    picked, points = report["head_budget"]["chosen"], report["head_budget"]["points"]
+    assert report["head_budget"]["budget"] == pytest.approx(8 * (512 + 32) / (512 * 32))
+    assert picked["agreement"] == max(p["agreement"] for p in points if p["shortlist"])
+    assert all(p["share"] <= report["head_budget"]["budget"] for p in points)
+    ckpt = load_drafter(tmp_path / "o")
+    assert (ckpt.rank, ckpt.shortlist, ckpt.hot_rows) == (picked["rank"], picked["shortlist"], picked["hot_rows"])
+    assert report["screen"]["multiply_add_share"] == pytest.approx(picked["share"])

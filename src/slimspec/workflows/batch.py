@@ -31,7 +31,7 @@ DISTILL_DEFAULTS: dict[str, Any] = {"teacher": "target", "lr": 2e-3, "warmup_ste
 JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "init", "distill_steps", "data",
             "num_prompts", "responses", "max_new_tokens", "overwrite", "push_to", "eval_prompts", "revision",
             "generation_engine", "generation_dtype", "target_revision", "device", "recipe", "feature_dtype",
-            "max_memory", "offload_folder", "shortlist", "hot_rows", *DISTILL_DEFAULTS}
+            "max_memory", "offload_folder", "shortlist", "hot_rows", "head_budget", *DISTILL_DEFAULTS}
 INT_KEYS = {"distill_steps": 0, "num_prompts": 0, "max_new_tokens": 1, "eval_prompts": 0,  # smallest value each
             "warmup_steps": 0, "batch_tokens": 1, "ttt_steps": 1, "shortlist": 0, "hot_rows": 0}
 FLOAT_KEYS = {"lr": False, "teacher_temperature": False, "temperature": True}  # True: 0 allowed, else > 0
@@ -41,7 +41,8 @@ CHOICES = {"vocab": choices.VOCABS, "stitch": choices.STITCHES, "init": choices.
            "feature_dtype": choices.FEATURE_DTYPES,
            "teacher": choices.TEACHERS, "aux_convention": ("input", "output", None), "recipe": choices.RECIPES}
 NULLABLE_KEYS = {"target", "dtype", "data", "num_prompts", "revision", "target_revision", "out", "push_to", "device",
-                 "aux_layers", "aux_convention", "eval_prompts", "recipe", "max_memory", "offload_folder"}
+                 "aux_layers", "aux_convention", "eval_prompts", "recipe", "max_memory", "offload_folder",
+                 "head_budget"}
 """Keys whose null means "not given"; any other null fails the manifest (a blank YAML value is null)."""
 BY_DEFAULT = "distils_by_default"
 """Set (True) on a read job that gives neither ``recipe`` nor ``distill_steps``: the default recipe set its keys."""

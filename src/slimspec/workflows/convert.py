@@ -48,6 +48,7 @@ from slimspec.errors import OptionError, SlimSpecError, SlimSpecWarning
 from slimspec.hub import resolve_model
 from slimspec.model import check_buildable, screen_footprint
 from slimspec.progress import Stages
+from slimspec.workflows.budget import budget_share, choose_under_budget
 from slimspec.workflows.job import ConvertJob, conversion_job
 from slimspec.workflows.recipes import BRIEF_TEACHER, BRIEF_VOCAB, brief_distillation, default_note
 
@@ -126,6 +127,8 @@ def run_conversion(job: ConvertJob) -> ConvertResult:
     ckpt = inputs.ckpt
     weight, rows_from_drafter = stitched_head(ckpt, inputs.target_head, job.vocab, job.stitch)
     check_finite_head(weight, rows_from_drafter, job.vocab)
+    if job.head_budget is not None:
+        job = _screen_under_budget(job, inputs, weight, stages)
     _check_screen_fits(job, weight.shape[0])
     r, out, spectra = _rank_and_output(job, inputs, weight, stages)
     source_rank = ckpt.tensors[LOWRANK_DOWN].shape[0] if ckpt.is_lowrank else None  # a SlimSpec output again
@@ -243,6 +246,21 @@ def _check_screen_fits(job: ConvertJob, rows: int) -> None:
     if job.shortlist + job.hot_rows > rows:
         raise OptionError(f"{{shortlist}} {job.shortlist} + {{hot_rows}} {job.hot_rows} exceed the head's {rows} "
                           "tokens", "shortlist", "hot_rows")
+
+
+def _screen_under_budget(job: ConvertJob, inputs: ConversionInputs, weight: torch.Tensor, stages: Stages
+                         ) -> ConvertJob:
+    """The job with the rank, shortlist and hot rows ``--head-budget`` picks from the calibration data."""
+    if inputs.target is None:
+        raise job.no_target_error()
+    budget = budget_share(job.head_budget, *weight.shape)
+    with stages.stage("budget", f"screens under {budget:.3f} of the head's multiply-adds"):
+        choice = choose_under_budget(inputs.ckpt, weight, load_target_parts(inputs.target, inputs.target_revision),
+                                     job.data_options, budget, job.distill_config.eval_every_nth, job.progress)
+    stages.say(choice.summary())
+    chosen = choice.chosen
+    return replace(job, rank=chosen.rank, shortlist=chosen.shortlist, hot_rows=chosen.hot_rows,
+                   extra_report={**job.extra_report, "head_budget": choice.report()})
 
 
 def _check_rank_is_worth_it(r: int, rows: int, hidden: int, held: int | None) -> None:

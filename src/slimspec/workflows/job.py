@@ -23,6 +23,7 @@ from slimspec.dtypes import torch_dtype
 from slimspec.errors import OptionError, RankError
 from slimspec.hardware import check_max_memory, resolve_device
 from slimspec.hub import HUB_ID
+from slimspec.workflows.budget import budget_share
 from slimspec.workflows.recipes import DEFAULT_RECIPE, brief_keys
 
 DATA_OPTIONS = {"data": None, "num_prompts": None, "responses": "regenerate", "max_new_tokens": 128,
@@ -63,6 +64,7 @@ class ConvertJob:
     push_to: str | None = None
     shortlist: int = 0  # screen and rescore: the pair's top K tokens rescored by the exact rows (0: the plain pair)
     hot_rows: int = 0  # screen and rescore: the N most frequent draft tokens, always rescored
+    head_budget: str | None = None  # the screen (r, K, N) of best measured agreement under this cost (``d/8``, 0.06)
     recipe: str | None = None  # the recipe that set the options not given (``brief``), if any
     given: frozenset[str] = frozenset()
     progress: bool = True
@@ -128,9 +130,26 @@ def _check_screen(job: ConvertJob) -> None:
     if job.shortlist and job.vocab != "draft":
         raise OptionError("{shortlist} rescores with the drafter's own head rows: use {vocab} draft (with {vocab} "
                           "full the exact rows would be the target's whole head)", "shortlist", "vocab")
+    if job.head_budget is not None:
+        _check_head_budget(job)
     if job.hot_rows and not job.reads_data:
         raise OptionError("{hot_rows} are the tokens most frequent in the target's answers to the calibration "
                           "prompts: give {distill_steps} N (or {init} whitened)", "hot_rows", "distill_steps")
+
+
+def _check_head_budget(job: ConvertJob) -> None:
+    """A head budget picks the rank, shortlist and hot rows itself, from calibration data, over the draft vocab."""
+    budget_share(job.head_budget, 1 << 16, 1 << 12)  # the syntax; the head's shape decides the value
+    taken = [name for name in ("rank", "shortlist", "hot_rows") if name in job.given]
+    if taken:
+        raise OptionError(f"{{head_budget}} picks the rank, the shortlist and the hot rows: drop "
+                          f"{', '.join(f'{{{name}}}' for name in taken)}", "head_budget", *taken)
+    if job.vocab != "draft":
+        raise OptionError("{head_budget} picks a screen over the drafter's own head rows: use {vocab} draft",
+                          "head_budget", "vocab")
+    if not job.reads_data:
+        raise OptionError("{head_budget} measures its candidates on calibration data: give {distill_steps} N (or "
+                          "{init} whitened)", "head_budget", "distill_steps")
 
 
 def _check_choices(job: ConvertJob) -> None:
@@ -224,11 +243,11 @@ def conversion_job(options: dict[str, Any], given: Iterable[str] = (), **setting
     steps = int(options.get("distill_steps") or 0)
     fields = {name: options[name] for name in ("target", "rank", "vocab", "dtype", "overwrite", "revision",
                                               "target_revision", "stitch", "init", "push_to", "recipe",
-                                              "shortlist", "hot_rows")
+                                              "shortlist", "hot_rows", "head_budget")
               if options.get(name) is not None}
     if options.get("out") is not None:
         fields["out"] = Path(options["out"])
-    if fields.get("shortlist") and "vocab" not in given:  # the exact rows are the drafter's own
+    if (fields.get("shortlist") or fields.get("head_budget")) and "vocab" not in given:  # the drafter's own rows
         fields["vocab"] = "draft"
     job = ConvertJob(drafter=str(options["drafter"]), distill_steps=steps, data_options=data_options_from(options),
                      distill_config=distill_config_from(options, steps), given=given, **fields)
