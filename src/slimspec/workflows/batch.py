@@ -205,6 +205,9 @@ def job_fingerprint(job: dict[str, Any]) -> str:
         payload["feature_dtype"] = job["feature_dtype"]
     if job.get("target_revision"):
         payload["target_revision"] = job["target_revision"]
+    for key in ("shortlist", "hot_rows", "head_budget"):  # absent, 0 or null: a plain pair, as jobs always had
+        if job.get(key):
+            payload[key] = job[key]
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
