@@ -429,6 +429,13 @@ def _print_convert_report(report: dict) -> None:
 @click.option("--save-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Write a resumable checkpoint every M steps (0: off).")
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint of an interrupted run (same options).")
+@click.option("--shortlist", type=click.IntRange(min=1),
+              help="Distil and write a screen-and-rescore head rescoring the pair's top K: a screen CHECKPOINT "
+                   "changes its K; a plain SlimSpec pair over the draft vocabulary takes its source drafter's head "
+                   "rows as the exact rows. [default: a screen's own K]")
+@click.option("--hot-rows", type=click.IntRange(min=0),
+              help="With a screen: always rescore the N draft tokens most frequent in the target's answers "
+                   "[default: a screen's own].")
 @click.option("--out", "-o", type=click.Path(path_type=Path),
               help="Output folder [default: ./<checkpoint-name>-distilled]. It may be CHECKPOINT itself: the "
                    "distilled head then replaces it, only once the run has succeeded.")
@@ -438,7 +445,8 @@ def _print_convert_report(report: dict) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draft_vocab: int, head_rank: int | None,
             layers: int, steps: int, train_backbone: bool, backbone_lr: float | None, save_every: int, resume: bool,
-            out: Path | None, overwrite: bool, as_json: bool, quiet: bool, **kw) -> None:
+            shortlist: int | None, hot_rows: int | None, out: Path | None, overwrite: bool, as_json: bool,
+            quiet: bool, **kw) -> None:
     """Distil CHECKPOINT's head (or whole drafter) against the target under full-vocabulary KL.
 
     Teacher data (target features and final hidden states on prompt + answer) is cached on disk, so
@@ -449,6 +457,8 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
         scratch_only = [p.opts[0] for p in _given_options(ctx, {"draft_vocab", "head_rank", "layers"}.__contains__)]
         if scratch_only:
             raise click.UsageError(f"{', '.join(scratch_only)} go with --from-scratch (a CHECKPOINT keeps its own)")
+        if (shortlist is not None or hot_rows is not None) and train_backbone:
+            raise click.UsageError("--shortlist and --hot-rows shape a head distilled alone: drop --train-backbone")
         if backbone_lr is not None and not train_backbone:
             raise click.UsageError("--backbone-lr is the backbone's lr: add --train-backbone (the head trains alone "
                                    "without it)")
@@ -463,6 +473,9 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
                   save_every=save_every)
     _init_distributed()
     if from_scratch:
+        if shortlist is not None or hot_rows is not None:
+            raise click.UsageError("--shortlist and --hot-rows give a CHECKPOINT's pair a screen; --from-scratch "
+                                   "trains a head of its own")
         if checkpoint is not None or target is None or out is None:
             raise click.UsageError("--from-scratch takes no CHECKPOINT and needs --target and --out")
         path, result = train_from_scratch(target, out, draft_vocab=draft_vocab, rank=head_rank, num_layers=layers,
@@ -472,7 +485,8 @@ def distill(checkpoint: str | None, target: str | None, from_scratch: bool, draf
         if checkpoint is None:
             raise click.UsageError("CHECKPOINT is required (or use --from-scratch)")
         path, result = run_distill(checkpoint, target, out=out, overwrite=overwrite or resume, config=cfg,
-                                   data_options=options, resume=resume, progress=not quiet)
+                                   data_options=options, resume=resume, progress=not quiet, shortlist=shortlist,
+                                   hot_rows=hot_rows)
     summary = {"out": str(path), **result.summary()}
 
     if dist.is_initialized() and dist.get_rank() != 0:

@@ -149,3 +149,43 @@ def test_head_budget_picks_a_screen_and_writes_what_it_picked(tiny_target, tmp_p
     ckpt = load_drafter(tmp_path / "o")
     assert (ckpt.rank, ckpt.shortlist, ckpt.hot_rows) == (picked["rank"], picked["shortlist"], picked["hot_rows"])
     assert report["screen"]["multiply_add_share"] == pytest.approx(picked["share"])
+
+
+@pytest.mark.slow
+def test_distill_gives_a_plain_pair_a_screen_and_resizes_one(tiny_target, tmp_path):
+    """Catches `distill --shortlist` ignored (the plain pair written back), exact rows taken from anywhere but the
+    source drafter's head in draft order, hot rows not the answers' most frequent tokens, or a screen's K not
+    changed; and a full head or hot rows without a shortlist accepted."""
+    from slimspec.checkpoint.target_model import load_target_model, load_target_parts
+    from slimspec.distill.pipeline import DataOptions, hot_rows_of, teacher_for
+
+    vocab = load_target_model(tiny_target)[0].config.vocab_size
+    written = write_drafter(tmp_path / "d", "modelopt", Spec(vocab=vocab, draft_vocab=512, hidden=32,
+                                                             target_hidden=32, target_layers=4))
+    runner = CliRunner()
+    data = ["--num-prompts", "3", "--max-new-tokens", "8", "-q", "--device", "cpu"]
+    result = runner.invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tiny_target), "--vocab", "draft", "-r",
+                                  "4", "--distill-steps", "0", "-o", str(tmp_path / "pair"), "-q"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["distill", str(tmp_path / "pair"), "-t", str(tiny_target), "--steps", "1",
+                                  "--shortlist", "20", "--hot-rows", "3", "-o", str(tmp_path / "screen"), *data])
+    assert result.exit_code == 0, result.output
+    screen = load_drafter(tmp_path / "screen")
+    assert screen.is_screen and (screen.shortlist, screen.hot_rows) == (20, 3)
+    assert torch.equal(screen.tensors["lm_head_exact.weight"], written["lm_head.weight"])
+    teacher = teacher_for(screen, load_target_parts(str(tiny_target)), DataOptions(num_prompts=3, max_new_tokens=8,
+                                                                                    device="cpu"), progress=False)
+    counts = torch.bincount(teacher.response_ids().long(), minlength=vocab)[screen.draft_to_target_ids()]
+    assert torch.equal(screen.tensors["lm_head_hot_ids"], hot_rows_of(screen, teacher, 512, 3))
+    assert counts[screen.tensors["lm_head_hot_ids"]].min() >= counts.sort(descending=True).values[2]
+    result = runner.invoke(main, ["distill", str(tmp_path / "screen"), "-t", str(tiny_target), "--steps", "1",
+                                  "--shortlist", "9", "-o", str(tmp_path / "again"), *data])
+    assert result.exit_code == 0, result.output
+    again = load_drafter(tmp_path / "again")
+    assert (again.shortlist, again.hot_rows) == (9, 3)
+    assert torch.equal(again.tensors["lm_head_hot_ids"], screen.tensors["lm_head_hot_ids"])
+    for args, message in (([str(tmp_path / "d"), "--shortlist", "9"], "has a full head"),
+                          ([str(tmp_path / "pair"), "--hot-rows", "2"], "give --shortlist K too")):
+        result = runner.invoke(main, ["distill", *args, "-t", str(tiny_target), "--steps", "1", "-o",
+                                      str(tmp_path / "no"), *data])
+        assert result.exit_code == 2 and message in result.output, result.output

@@ -10,7 +10,14 @@ from typing import Any
 
 import torch
 
-from slimspec.checkpoint.drafter import LOWRANK_DOWN, SCREEN_EXACT, SCREEN_HOT_IDS, DrafterCheckpoint, load_drafter
+from slimspec.checkpoint.drafter import (
+    LOWRANK_DOWN,
+    SCREEN_EXACT,
+    SCREEN_HEAD,
+    SCREEN_HOT_IDS,
+    DrafterCheckpoint,
+    load_drafter,
+)
 from slimspec.checkpoint.files import read_json
 from slimspec.checkpoint.placement import Placement, feature_dtype_for, float32_fits
 from slimspec.checkpoint.target_model import TargetParts, aux_layers_for, load_target_parts, target_of
@@ -161,11 +168,16 @@ def distill(
     data_options: DataOptions | None = None,
     resume: bool = False,
     progress: bool = True,
+    shortlist: int | None = None,
+    hot_rows: int | None = None,
 ) -> tuple[Path, DistillResult]:
     """Distil a drafter folder (a SlimSpec conversion, or any EAGLE-3 drafter) against its target.
 
     Writes ``out`` (default ``./<checkpoint name>-distilled``) atomically; checkpoints of the loop go to
-    ``<out>.checkpoints/`` (kept on failure, removed on success) so ``resume`` can continue.
+    ``<out>.checkpoints/`` (kept on failure, removed on success) so ``resume`` can continue. ``shortlist`` K (and
+    ``hot_rows`` N): distil and write a screen-and-rescore head rescoring the pair's top K (and the N draft tokens
+    most frequent in the teacher data's answers): a screen checkpoint changes its K (N), a plain SlimSpec pair over
+    its source drafter's draft vocabulary takes that drafter's head rows as its exact rows.
     """
     cfg = config or DistillConfig(steps=steps)
     options = data_options or DataOptions(data=data)
@@ -181,6 +193,8 @@ def distill(
         check_output_free(out, overwrite)
     checkpoints = out.parent / f"{out.name}.checkpoints"
     prepare_checkpoint_dir(checkpoints, resume, overwrite)
+    if shortlist is not None or hot_rows is not None:
+        check_screen_source(ckpt, str(checkpoint), shortlist, hot_rows)
     teacher_ckpt = ckpt
     if cfg.teacher == "drafter":  # the teacher is the drafter the conversion started from (checked before any work)
         origin = ckpt.recorded("source_drafter")
@@ -196,6 +210,8 @@ def distill(
         torch.distributed.barrier()
     if rank != 0:
         teacher = teacher_for(ckpt, parts, options, False)
+    if shortlist is not None or hot_rows is not None:
+        ckpt = with_screen(ckpt, shortlist or ckpt.shortlist, hot_rows, teacher)
     drafter = drafter_model(ckpt, parts)
     result = train_drafter(drafter, teacher, distill_teacher_head(teacher_ckpt, drafter, parts, cfg.teacher), cfg,
                              checkpoint_dir=checkpoints, resume=resume, progress=progress,
@@ -206,6 +222,52 @@ def distill(
     if world > 1:
         torch.distributed.barrier()
     return out, result
+
+
+def check_screen_source(ckpt: DrafterCheckpoint, name: str, shortlist: int | None, hot_rows: int | None) -> None:
+    """Refuse a screen the checkpoint cannot be made into: a full head (convert it), a pair without the source
+    drafter its exact rows come from, hot rows without a shortlist, or sizes over the vocabulary."""
+    if not ckpt.is_lowrank:
+        raise OptionError(f"{name} has a full head: `slimspec convert {name} --shortlist K` gives it a screen",
+                          "shortlist")
+    if not ckpt.is_screen:
+        if shortlist is None:
+            raise OptionError("{hot_rows} adds always-rescored tokens to a shortlist: give {shortlist} K too",
+                              "hot_rows", "shortlist")
+        if not ckpt.recorded("source_drafter"):
+            raise OptionError(f"{name} names no source drafter whose head rows would rescore the shortlist: "
+                              "convert the source drafter with {shortlist} K", "shortlist")
+    vocab = int(ckpt.tensors["lm_head.weight"].shape[0])
+    k = shortlist or ckpt.shortlist or 0
+    n = ckpt.hot_rows if hot_rows is None else hot_rows
+    if not 1 <= k or k + n > vocab:
+        raise OptionError(f"{{shortlist}} {k} + {{hot_rows}} {n} must be >= 1 and fit the head's {vocab} tokens",
+                          "shortlist", "hot_rows")
+
+
+def with_screen(ckpt: DrafterCheckpoint, shortlist: int, hot_rows: int | None, teacher: TeacherData
+                ) -> DrafterCheckpoint:
+    """``ckpt`` with a screen-and-rescore head of shortlist K: its own exact rows, or its source drafter's head rows
+    for a plain pair; ``hot_rows`` N (None: the screen's own) the draft tokens most frequent in ``teacher``'s
+    answers."""
+    tensors = dict(ckpt.tensors)
+    vocab = int(tensors["lm_head.weight"].shape[0])
+    if not ckpt.is_screen:
+        source = load_drafter(resolve_model(str(ckpt.recorded("source_drafter")), "drafter",
+                                            ckpt.recorded("source_revision")))
+        exact = source.head_weight()
+        if exact is None or exact.shape != (vocab, ckpt.config.hidden_size):
+            raise OptionError(f"the source drafter's head ({None if exact is None else list(exact.shape)}) does not "
+                              f"match the pair's {vocab} rows: convert the source with {{shortlist}} K", "shortlist")
+        tensors[SCREEN_EXACT] = exact
+    if hot_rows is not None:
+        tensors.pop(SCREEN_HOT_IDS, None)
+        if hot_rows:
+            tensors[SCREEN_HOT_IDS] = hot_rows_of(ckpt, teacher, vocab, hot_rows)
+    config = dict(ckpt.raw_config)
+    config["slimspec"] = {**(config.get("slimspec") or {}), "head": SCREEN_HEAD, "shortlist": shortlist,
+                          "hot_rows": int(tensors[SCREEN_HOT_IDS].numel()) if SCREEN_HOT_IDS in tensors else 0}
+    return replace(ckpt, tensors=tensors, raw_config=config)
 
 
 def top1_text(result: DistillResult) -> str:
