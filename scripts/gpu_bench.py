@@ -159,17 +159,25 @@ def run_checks(batch: int, h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Te
     check(bool((got == vocab // 3).all()), "NaN logits -> first NaN index, like torch.argmax")
 
 
+def time_methods(batch: int, fns: dict[str, Callable[[], object]], timer: Timer, graph_timer: Timer | None,
+                 no_graph: tuple[str, ...] = ()) -> dict[str, object]:
+    """One table row: each method's time in us (``name``) and, when graphs are timed and the method is not in
+    ``no_graph``, its time under CUDA graphs (``name_graph``)."""
+    row: dict[str, object] = {"B": batch}
+    for name, fn in fns.items():
+        row[name] = 1e3 * timer(fn)
+        if graph_timer is not None and name not in no_graph:
+            row[f"{name}_graph"] = 1e3 * graph_timer(fn)
+    return row
+
+
 def bench_rows(batch: int, h, w_down, w_up, w_full, timer: Timer, graph_timer: Timer | None,
                sweep: bool) -> dict[str, object]:
     """Times in microseconds for the three methods (+ CUDA graphs and the tile sweep)."""
     full = lambda: torch.argmax(h @ w_full.T, dim=-1)  # noqa: E731
     lowrank_torch = lambda: torch.argmax((h @ w_down.T) @ w_up.T, dim=-1)  # noqa: E731
     fused = lambda: kernels.lowrank_argmax(h, w_down, w_up)  # noqa: E731
-    row: dict[str, object] = {"B": batch}
-    for name, fn in (("full", full), ("torch", lowrank_torch), ("fused", fused)):
-        row[name] = 1e3 * timer(fn)
-        if graph_timer is not None:
-            row[f"{name}_graph"] = 1e3 * graph_timer(fn)
+    row = time_methods(batch, {"full": full, "torch": lowrank_torch, "fused": fused}, timer, graph_timer)
     default = tlr.default_config(batch, DTYPE)
     row["default"] = default
     row["best"], row["best_time"] = default, row["fused"]
@@ -246,12 +254,8 @@ def screen_checks_and_times(batch: int, h, w_full, timer: Timer, graph_timer: Ti
            "pair": lambda: torch.argmax((h @ w_down.T) @ w_up.T, dim=-1),
            "screen": lambda: screen.screen_rescore(h, w_down, w_up, w_full, k, hot),
            "screen_torch": lambda: screen.screen_rescore_torch(h, w_down, w_up, w_full, k, hot)}
-    row: dict[str, object] = {"B": batch}
-    for name, fn in fns.items():
-        row[name] = 1e3 * timer(fn)
-        if graph_timer is not None and name != "screen":  # the screen's tie check syncs the host
-            row[f"{name}_graph"] = 1e3 * graph_timer(fn)
-    return row
+    # not under CUDA graphs: the screen's tie check syncs the host
+    return time_methods(batch, fns, timer, graph_timer, no_graph=("screen",))
 
 
 def screen_report(rows: list[dict[str, object]], vocab: int, hidden: int) -> str:

@@ -497,30 +497,38 @@ def _parallel_drafter(folder: Path, token: int = 2) -> Path:
     return folder
 
 
+def _served_like_reference(target, baseline, drafter, prompts: list[str], served_class: str, label: str,
+                           args: tuple[str, ...] = (), note: str = "") -> tuple[dict, dict]:
+    """``drafter`` served by vLLM as ``served_class`` (with ``--check-head`` and ``args``): lossless, serving the
+    checkpoint's head, and accepted at each draft position in exactly the rounds and counts of the reference decoder.
+    Returns (vLLM report, reference report)."""
+    from slimspec.evaluate.acceptance import evaluate
+
+    report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head", *args])
+    assert report["ok"], report
+    assert report["draft_model_class"] == served_class
+    assert report["outputs"] == baseline["outputs"][:len(prompts)], "speculation changed the greedy output"
+    _head_ok(report)
+    ours = evaluate(str(drafter), embedded.EMBEDDED_TARGET, num_prompts=len(prompts), max_new_tokens=MAX_NEW_TOKENS,
+                    draft_tokens=DRAFT_TOKENS, progress=False)
+    spec = report["spec_decode"]
+    print(f"\n[vllm] {label}: vLLM tau {report['tau']:.4f} {spec['accepted_per_pos']} in {spec['num_drafts']} "
+          f"rounds, reference {ours['tau']:.4f} {ours['acceptance_per_position']} in {ours['rounds']}{note}")
+    assert spec["num_drafts"] == ours["rounds"]
+    assert spec["accepted_per_pos"] == [round(a * ours["rounds"]) for a in ours["acceptance_per_position"]]
+    return report, ours
+
+
 def _served_counts_as_the_reference(target, baseline, source: Path, tmp_path: Path, label: str, prompts: list[str],
                                     args: tuple[str, ...] = (), note: str = "") -> list[tuple[Path, dict, dict]]:
     """``source`` and its conversion (SVD at rank 432 over the draft vocabulary) served by vLLM (its own EAGLE-3 class,
-    then the plugin), each lossless and serving the checkpoint's head, and accepted at each draft position in
-    exactly the rounds and counts of the reference decoder. Returns (drafter, vLLM report, reference report)."""
-    from slimspec.evaluate.acceptance import evaluate
-
+    then the plugin), each as ``_served_like_reference`` requires. Returns (drafter, vLLM report, reference report)."""
     converted = slimspec.convert_drafter(str(source), embedded.EMBEDDED_TARGET, 432, vocab="draft",
                                  out=tmp_path / "converted", distill_steps=0, progress=False).out
     runs = []
     for drafter, served_class in ((source, "Eagle3LlamaForCausalLM"), (converted, "SlimSpecEagle3LlamaForCausalLM")):
-        report = _check(target, drafter=drafter, prompts=prompts, args=["--check-head", *args])
-        assert report["ok"], report
-        assert report["draft_model_class"] == served_class
-        assert report["outputs"] == baseline["outputs"][:len(prompts)], "speculation changed the greedy output"
-        _head_ok(report)
-        ours = evaluate(str(drafter), embedded.EMBEDDED_TARGET, num_prompts=len(prompts), max_new_tokens=MAX_NEW_TOKENS,
-                        draft_tokens=DRAFT_TOKENS, progress=False)
-        spec = report["spec_decode"]
-        print(f"\n[vllm] {label} {drafter.name}: vLLM tau {report['tau']:.4f} {spec['accepted_per_pos']} in "
-              f"{spec['num_drafts']} rounds, reference {ours['tau']:.4f} {ours['acceptance_per_position']} in "
-              f"{ours['rounds']}{note}")
-        assert spec["num_drafts"] == ours["rounds"]
-        assert spec["accepted_per_pos"] == [round(a * ours["rounds"]) for a in ours["acceptance_per_position"]]
+        report, ours = _served_like_reference(target, baseline, drafter, prompts, served_class,
+                                              f"{label} {drafter.name}", args, note)
         runs.append((drafter, report, ours))
     return runs
 
@@ -684,25 +692,13 @@ def test_screen_checkpoint_is_served_as_the_reference_decoder_runs_it(target, ba
     Catches serving the plain pair's logits (the screen's argmax: different drafts, tau below the reference's),
     two-level logits served uncapped (a screen value outside the shortlist above its exact maximum becomes vLLM's
     draft), hot ids not loaded, and exact rows taken from the wrong place."""
-    from slimspec.evaluate.acceptance import evaluate
-
     source = embedded.resolve_embedded(embedded.EMBEDDED_DRAFTER, progress=False)
     screen = slimspec.convert_drafter(str(source), embedded.EMBEDDED_TARGET, "d/8", vocab="draft", shortlist=64,
                                       out=tmp_path / "screen", distill_steps=0, progress=False).out
     _with_hot_ids(Path(screen), [0, 1, 2, 13, 28, 30, 264, 8191])
     prompts = _prompts()[:4]
-    report = _check(target, drafter=screen, prompts=prompts, args=["--check-head"])
-    assert report["ok"], report
-    assert report["draft_model_class"] == "SlimSpecEagle3LlamaForCausalLM"
-    assert report["outputs"] == baseline["outputs"][:len(prompts)], "speculation changed the greedy output"
-    _head_ok(report)
-    ours = evaluate(str(screen), embedded.EMBEDDED_TARGET, num_prompts=len(prompts), max_new_tokens=MAX_NEW_TOKENS,
-                    draft_tokens=DRAFT_TOKENS, progress=False)
-    spec = report["spec_decode"]
-    print(f"\n[vllm] screen r=d/8 K=64 N=8: vLLM tau {report['tau']:.4f} {spec['accepted_per_pos']} in "
-          f"{spec['num_drafts']} rounds, reference {ours['tau']:.4f} {ours['acceptance_per_position']}")
-    assert spec["num_drafts"] == ours["rounds"]
-    assert spec["accepted_per_pos"] == [round(a * ours["rounds"]) for a in ours["acceptance_per_position"]]
+    report, ours = _served_like_reference(target, baseline, screen, prompts, "SlimSpecEagle3LlamaForCausalLM",
+                                          "screen r=d/8 K=64 N=8")
     assert report["tau"] == pytest.approx(ours["tau"], abs=1e-9)
 
 
