@@ -82,6 +82,20 @@ def test_dry_run_json_follows_vocab_and_reads_no_data_without_distillation(no_we
     _nothing_written(no_weights)
 
 
+def test_the_head_read_counts_the_targets_stored_head_only_where_its_rows_go_into_the_head(no_weights):
+    """Catches a plan that counts the target's stored head in a --vocab draft conversion of a drafter with a head
+    (its own head is factorised; the target's is read only for teacher data), or leaves the target's stored head
+    or the drafter's rows made float32 while stitched out of a --vocab full one: the head reads differ by the full
+    head's extra float32 rows (49152 - 8192) x 576 x 4, the float32 target's head as stored 49152 x 576 x 4 and
+    the drafter's 8192 rows as float32."""
+    full = _plan(CliRunner().invoke(main, ["convert", DRAFTER, "--distill-steps", "0", "--dry-run", "--json"]))
+    draft = _plan(CliRunner().invoke(main, ["convert", DRAFTER, "--vocab", "draft", "--rank", "64", "--no-distill",
+                                            "--dry-run", "--json"]))
+    read = [{s["stage"]: s["bytes"] for s in report["stages"]}["head read"] for report in (full, draft)]
+    assert read[0] - read[1] == 4 * 576 * (49152 - 8192) + 4 * 576 * 49152 + 4 * 576 * 8192
+    _nothing_written(no_weights)
+
+
 def test_dry_run_with_distillation_plans_the_teacher_stages_and_builds_no_teacher_data(no_weights):
     """Catches a distilling dry run that builds teacher data (the cache must stay empty) or leaves out the stages
     that run the target, the whitened covariance and the distillation."""
@@ -117,7 +131,7 @@ def test_a_plan_that_does_not_fit_is_refused_in_one_line(no_weights, monkeypatch
     result = CliRunner().invoke(main, ["convert", DRAFTER, "--distill-steps", "0", "--dry-run"])
     assert result.exit_code == 2, (result.output, result.exception)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: needs ~0.57 GB on cpu, 0.05 GB free"), lines
+    assert len(lines) == 1 and lines[0].startswith("error: needs ~0.71 GB on cpu, 0.05 GB free"), lines
     assert "does not fit" in result.stdout
     _nothing_written(no_weights)
 

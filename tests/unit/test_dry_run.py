@@ -27,20 +27,28 @@ def test_head_parameters_and_flops_at_llama_8b():
 
 
 def test_conversion_stage_memory_at_llama_8b():
-    """Catches a stage formula that forgets what earlier stages leave in memory, or counts the float64 Gram matrix
-    or the float32 factors at the wrong width: the process 256 MiB, head 2.10 GB, + Gram 134 MB, + factors 271 MB
-    and the eigensolver's working copies 537 MB;
-    verifying reads the written folder back beside what writing it held."""
+    """Catches a stage formula that forgets what earlier stages leave in memory, or counts a tensor at the wrong
+    width: the process 256 MiB, head 2.10 GB (+ the drafter's 32,000 rows as float32 while stitched, 524 MB),
+    + Gram 134 MB and, beside it, the larger of two more float64 d x d and a float64 16,384-row chunk (537 MB),
+    + factors 271 MB and the larger of the eigensolver's copy (134 MB) and the error's 16,384-row chunk in float32,
+    float64 and squared (1.34 GB); verifying reads the written folder back beside the output tensors and makes
+    both pairs float32."""
     runtime = 268_435_456
     assert memory.RUNTIME_BYTES == runtime
     assert memory.head_read_bytes(V, D, 0) == runtime + 2_101_346_304
     assert memory.head_read_bytes(V, D, 1000) == runtime + 2_101_347_304
-    assert memory.gram_bytes(V, D, 0) == runtime + 2_235_564_032
+    assert memory.head_read_bytes(V, D, 0, stitched_rows=VD) == runtime + 2_101_346_304 + 524_288_000
+    assert memory.gram_bytes(V, D, 0) == runtime + 2_101_346_304 + 134_217_728 + 536_870_912
+    # 1000 rows: the chunk (32.8 MB) is smaller than the triangle's two d x d (268 MB)
+    assert memory.gram_bytes(1000, D, 0) == runtime + 16_384_000 + 134_217_728 + 268_435_456
     assert memory.factorize_bytes(V, D, R, 0) == runtime + 2_506_620_928
-    assert memory.eigensolver_bytes(D) == 536_870_912  # 4 float64 d x d, during the factorisation only
+    assert memory.eigensolver_bytes(D) == 134_217_728
+    assert memory.error_bytes(V, D) == 1_342_177_280 and memory.error_bytes(1000, D) == 81_920_000
+    assert memory.factorize_stage_bytes(V, D, R, 0) == runtime + 2_506_620_928 + 1_342_177_280
     # bf16 output: the pair (67,764,224 weights x 2) beside 10 bytes of other tensors and the held 2.5 GB
     assert memory.write_bytes(2_506_620_928, V, D, R, 2, 10) == 2_506_620_928 + 2 * (10 + 135_528_448)
-    assert memory.verify_bytes(3_000_000_000, V, D, R, 2, 10) == 3_000_000_000 + 10 + 135_528_448
+    assert memory.verify_bytes(3_000_000_000, V, D, R, 2, 10) == 3_000_000_000 + 2 * (10 + 135_528_448) + \
+        2 * 271_056_896
 
 
 def test_teacher_data_memory_at_llama_8b():
@@ -57,19 +65,29 @@ def test_teacher_data_memory_at_llama_8b():
                                        states=3) == answering + 24
     assert memory.teacher_cache_bytes(1000, D, 3, 2) == 32_777_000
     assert memory.target_parts_bytes(V, D) == 4_202_692_608
+    assert memory.target_parts_load_bytes(V, D, 2) == 2_101_346_304  # bf16 head and embedding while read
+    assert memory.tokenizer_bytes(V) == 262_668_288
     assert memory.teacher_tokens(300, 84, 128, 1024) == 63_600
     assert memory.teacher_tokens(2, 1000, 128, 1024) == 2048
 
 
 def test_distillation_memory_at_llama_8b():
-    """Catches a teacher table or feature store sized without the TTT steps, a KL buffer not capped at 256 MiB, and
-    a step that forgets the pair's gradient and Adam moments or the teacher's head."""
+    """Catches a teacher table or feature store sized without the TTT steps, a KL buffer not capped at 256 MiB, a
+    step that forgets the pair's gradient and Adam moments, a teacher head of the wrong width (Ht for the target,
+    d + 1 for the drafter), the distillation's float64 copy of it, and the whitened solve's five float64 d x d
+    beside the larger of two more and the up factor in float32 and float64."""
     assert memory.teacher_table_bytes(10_000, 3, V, 4) == 15_390_720_000
     assert memory.teacher_table_bytes(10_000, 3, V, 0) == 0
     assert memory.student_feature_bytes(10_000, 3, D) == 491_880_000
     assert memory.covariance_bytes(0, D) == 134_217_728
-    assert memory.distill_step_bytes(2048, 3, D, V, R, D, 0) == 3_554_746_368
-    assert memory.distill_step_bytes(2048, 3, D, V, R, D, 2) == 3_554_746_368 + 6144 * V * 2
+    # 6144 rows: states 100.7 MB, KL buffers 256 MiB, pair + gradient + Adam 1.08 GB
+    assert memory.distill_step_bytes(2048, 3, D, V, R, 0) == 1_453_400_064
+    assert memory.distill_step_bytes(2048, 3, D, V, R, 2) == 1_453_400_064 + 6144 * V * 2
+    assert memory.teacher_head_bytes(V, D) == 2_101_346_304
+    assert memory.teacher_head_bytes(VD, D + 1) == 524_416_000
+    assert memory.run_identity_bytes(V, D) == 4_202_692_608
+    assert memory.whitened_bytes(V, D, R) == 671_088_640 + 788_004_864
+    assert memory.whitened_bytes(VD, D, R) == 671_088_640 + 268_435_456
 
 
 def test_dense_parameter_count_of_llama_8b():

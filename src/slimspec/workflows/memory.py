@@ -15,6 +15,7 @@ real 8B and 70B widths and vocabularies (``scripts/rehearse.py``; BENCHMARKS.md,
 
 from __future__ import annotations
 
+from slimspec.convert.factorize import DEFAULT_CHUNK_ROWS
 from slimspec.distill.loss import BUFFER_BYTES
 
 FLOAT32 = 4
@@ -24,6 +25,10 @@ CACHE_TOKEN_BYTES = 9
 RUNTIME_BYTES = 256 * 2**20
 """The converting process before it reads a weight: Python with torch, transformers and slimspec imported (0.24 GiB
 resident, measured)."""
+TOKENIZER_TOKEN_BYTES = 2048
+"""The target's fast tokenizer per vocabulary token, loaded for the teacher data and resident from then on (its
+vocabulary and merge tables: 0.24 GiB for a 128,256-token tokenizer, 0.25 GiB for 151,936, measured; dropping it
+gives none of it back)."""
 FEATURE_ROW_EXTRA = 12
 """Bytes per (row, TTT step) of the student features besides the hidden state: an int64 teacher index and a float32
 weight."""
@@ -49,52 +54,94 @@ def pair_flops(vocab: int, hidden: int, rank: int) -> int:
     return 2 * pair_params(vocab, hidden, rank)
 
 
-def head_read_bytes(vocab: int, hidden: int, stored: int) -> int:
-    """Reading the head: ``runtime + stored + V*d*4``. ``stored``: the heads as stored on disk (the drafter's head,
-    and the target's head or tied embedding when a target is given), which stay in memory through the conversion;
-    the drafter's other weights are memory-mapped and become resident only when they are used (the drafter built
-    for teacher data, the output written). ``V*d*4``: the head as one float32 matrix (drafter rows stitched into
-    the target's for ``full``). Grows with the head vocabulary times the hidden size."""
+def head_held_bytes(vocab: int, hidden: int, stored: int) -> int:
+    """What the conversion holds once the head is read: ``runtime + stored + V*d*4``. ``stored``: the heads the
+    conversion reads as stored on disk, memory-mapped and resident once read (the drafter's head; the target's
+    head or tied embedding where its rows go into the head: ``--vocab full``, or a drafter without a head); the
+    drafter's other weights are memory-mapped and become resident only when they are used (the drafter built for
+    teacher data, the output written). ``V*d*4``: the head as one float32 matrix (drafter rows stitched into the
+    target's for ``full``). Grows with the head vocabulary times the hidden size."""
     return RUNTIME_BYTES + stored + FLOAT32 * vocab * hidden
 
 
+def head_read_bytes(vocab: int, hidden: int, stored: int, stitched_rows: int = 0) -> int:
+    """Reading the head: :func:`head_held_bytes` ``+ Vd*d*4`` while ``stitched_rows`` (Vd) drafter rows are put
+    into the target's head (``--vocab full``): they are made float32 as a whole before they are written in."""
+    return head_held_bytes(vocab, hidden, stored) + FLOAT32 * stitched_rows * hidden
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows of the head the Gram matrix, the centred spectrum and the reconstruction error take at a time."""
+    return min(vocab, DEFAULT_CHUNK_ROWS)
+
+
 def gram_bytes(vocab: int, hidden: int, stored: int) -> int:
-    """The Gram matrix and its eigendecomposition: ``head_read + d*d*8``. ``W^T W`` is accumulated in float64
-    (d x d) over row chunks of the float32 head, which stays; quadratic in ``d``, independent of ``V``."""
-    return head_read_bytes(vocab, hidden, stored) + FLOAT64 * hidden * hidden
+    """The Gram matrix and both spectra: ``held + d*d*8 + max(2*d*d*8, c*d*8)``. ``W^T W`` is accumulated in float64
+    (d x d) over row chunks of the float32 head, which stays. Beside them, once at a time: two more float64 d x d
+    (the triangle's symmetric completion, ``triu`` and the sum with its transpose; the centring's outer product
+    and its quotient) or the float64 copy of a ``c``-row chunk (c = min(V, 16384)) the centred spectrum's column
+    sums are taken from. Quadratic in ``d``, then linear in ``d`` once V > 16384."""
+    return head_held_bytes(vocab, hidden, stored) + FLOAT64 * hidden * hidden + max(
+        2 * FLOAT64 * hidden * hidden, FLOAT64 * chunk_rows(vocab) * hidden)
 
 
 def factorize_bytes(vocab: int, hidden: int, rank: int, stored: int) -> int:
-    """What the conversion holds once factorised: ``gram + V*r*4 + r*d*4``: the float32 factors beside the head and
-    the Gram matrix (kept for the report). The factors grow with the rank times ``V + d``."""
-    return gram_bytes(vocab, hidden, stored) + FLOAT32 * pair_params(vocab, hidden, rank)
+    """What the conversion holds once factorised: ``held + d*d*8 + V*r*4 + r*d*4``: the float32 factors beside the
+    head and the Gram matrix (kept for the report). The factors grow with the rank times ``V + d``."""
+    return head_held_bytes(vocab, hidden, stored) + FLOAT64 * hidden * hidden + \
+        FLOAT32 * pair_params(vocab, hidden, rank)
 
 
 def eigensolver_bytes(hidden: int) -> int:
-    """The factorisation's transient working copies of the Gram matrix (its float32 copy, LAPACK's workspace, the
-    products with the basis): ``4*d*d*8``, freed once the factors are made (measured at the 70B head: 10.3 GiB
-    against 9.6 planned with them); grows with ``d`` squared."""
-    return 4 * FLOAT64 * hidden ** 2
+    """The factorisation's transient copies of the Gram matrix, ``d*d*8``: the float32 copy the top eigenpairs are
+    solved on and LAPACK's copy of it (d >= 1024), or LAPACK's float64 copy (d < 1024); grows with ``d`` squared."""
+    return FLOAT64 * hidden ** 2
+
+
+def error_bytes(vocab: int, hidden: int) -> int:
+    """The reconstruction error's transient over one ``c``-row chunk (c = min(V, 16384)), ``c*d*20``: the float32
+    difference ``W - W_up W_down``, its float64 copy and that copy squared. After the factors (and again after
+    distillation); linear in ``d`` once V > 16384."""
+    return (FLOAT32 + 2 * FLOAT64) * chunk_rows(vocab) * hidden
+
+
+def factorize_stage_bytes(vocab: int, hidden: int, rank: int, stored: int) -> int:
+    """The factorisation's peak: :func:`factorize_bytes` and the larger of :func:`eigensolver_bytes` and
+    :func:`error_bytes` (they run one after the other)."""
+    return factorize_bytes(vocab, hidden, rank, stored) + max(eigensolver_bytes(hidden), error_bytes(vocab, hidden))
 
 
 def write_bytes(held: int, vocab: int, hidden: int, rank: int, out_element: int, rest: int) -> int:
     """Writing the folder: ``held + 2*(rest + (V*r + r*d)*e)``: the output tensors (the drafter's other tensors,
     ``rest`` bytes, and the pair in the output dtype of ``e`` bytes) made beside what the conversion holds
-    (``held``: :func:`factorize_bytes`), and the copy the writer hands to safetensors (measured at the 70B head:
-    12.45 GiB against 12.39 planned)."""
+    (``held``: :func:`factorize_bytes`), and the contiguous copy the writer hands to safetensors."""
     return held + 2 * (rest + out_element * pair_params(vocab, hidden, rank))
 
 
-def verify_bytes(written: int, vocab: int, hidden: int, rank: int, out_element: int, rest: int) -> int:
-    """Verifying the folder: ``written + rest + (V*r + r*d)*e``: the output read back (memory-mapped) beside the
-    tensors just written, to compare its logits with the factorised head's."""
-    return written + rest + out_element * pair_params(vocab, hidden, rank)
+def verify_bytes(held: int, vocab: int, hidden: int, rank: int, out_element: int, rest: int) -> int:
+    """Verifying the folder: ``held + 2*(rest + (V*r + r*d)*e) + 2*(V*r + r*d)*4``: the output tensors (the writer's
+    copy is gone) and the folder read back (memory-mapped, every tensor compared), then both pairs as float32 to
+    compare their logits."""
+    return held + 2 * (rest + out_element * pair_params(vocab, hidden, rank)) + \
+        2 * FLOAT32 * pair_params(vocab, hidden, rank)
 
 
 def target_parts_bytes(target_vocab: int, target_hidden: int) -> int:
     """The target's head and token embedding as float32, held on the host while teacher data is made and the pair
     distilled: ``2*Vt*Ht*4`` (both, also where they are tied); grows with the target's vocabulary."""
     return 2 * FLOAT32 * target_vocab * target_hidden
+
+
+def tokenizer_bytes(target_vocab: int) -> int:
+    """The target's tokenizer, from the teacher data on: ``Vt * 2 KiB`` (:data:`TOKENIZER_TOKEN_BYTES`)."""
+    return TOKENIZER_TOKEN_BYTES * target_vocab
+
+
+def target_parts_load_bytes(target_vocab: int, target_hidden: int, stored_element: int) -> int:
+    """Reading the target's head and embedding: both as stored (``s`` bytes each), memory-mapped and resident
+    while they are made float32, ``2*Vt*Ht*s`` beside :func:`target_parts_bytes` (their own mappings, also where
+    the conversion read the head already or they are tied)."""
+    return 2 * stored_element * target_vocab * target_hidden
 
 
 def feature_pass_bytes(params: int, layers: int, target_hidden: int, tokens: int, element: int = FLOAT32) -> int:
@@ -151,6 +198,27 @@ def covariance_bytes(features: int, hidden: int) -> int:
     return features + FLOAT64 * hidden * hidden
 
 
+def whitened_bytes(vocab: int, hidden: int, rank: int) -> int:
+    """Solving for the whitened start, beside the covariance: ``5*d*d*8 + max(2*d*d*8, V*r*12)``: the covariance
+    made symmetric with its ridge, its eigenvectors, its square root and inverse square root and the head's Gram
+    matrix (float64 d x d, held until the factors are made); at first the product ``S G S`` and its intermediate
+    (two more), at the end the new float32 up factor and its float64 copy (the factors' balancing)."""
+    return 5 * FLOAT64 * hidden * hidden + max(2 * FLOAT64 * hidden * hidden, (FLOAT32 + FLOAT64) * vocab * rank)
+
+
+def teacher_head_bytes(vocab: int, width: int) -> int:
+    """The teacher's head the KLs and the steps multiply by, float32, held from the step-0 KLs on: ``V*w*4``
+    (``w``: Ht for the target teacher, d+1 for the drafter teacher, 0 where the host's float32 target head is
+    it)."""
+    return FLOAT32 * vocab * width
+
+
+def run_identity_bytes(vocab: int, width: int) -> int:
+    """The distillation's start: the teacher head's float64 copy its checksum is taken from (what a resumed run
+    must share), ``V*w*8`` (``w``: Ht for the target teacher, d+1 for the drafter teacher)."""
+    return FLOAT64 * vocab * width
+
+
 def teacher_table_bytes(rows: int, steps: int, vocab: int, element: int) -> int:
     """The teacher's log-probabilities of every feature row and TTT step over the head vocabulary: ``M*k*V*e``
     (e: 4 for float32, 2 for float16, 0 where no table fits its budget, a third of the free memory); the largest
@@ -158,16 +226,15 @@ def teacher_table_bytes(rows: int, steps: int, vocab: int, element: int) -> int:
     return rows * steps * vocab * element
 
 
-def distill_step_bytes(batch_tokens: int, steps: int, hidden: int, vocab: int, rank: int, teacher_width: int,
+def distill_step_bytes(batch_tokens: int, steps: int, hidden: int, vocab: int, rank: int,
                        table_element: int) -> int:
-    """One distillation step beside the features and the table: the batch's states ``B*k*(d*4 + 12)``, its rows of
-    the table ``B*k*V*e``, the KL's logit buffers ``min(2*B*k*V*4, 256 MiB)``, the pair with its gradient and two
-    Adam moments ``4*r*(V+d)*4``, and the teacher's head ``V*w*4`` (``w``: Ht for the target teacher, d+1 for the
-    drafter teacher). Grows with the batch tokens times the vocabulary."""
+    """One distillation step beside the features, the table and the teacher's head (:func:`teacher_head_bytes`):
+    the batch's states ``B*k*(d*4 + 12)``, its rows of the table ``B*k*V*e``, the KL's logit buffers
+    ``min(2*B*k*V*4, 256 MiB)``, the pair with its gradient and two Adam moments ``4*r*(V+d)*4``. Grows with the
+    batch tokens times the vocabulary."""
     tokens = batch_tokens * steps
     return (student_feature_bytes(batch_tokens, steps, hidden) + tokens * vocab * table_element
-            + min(2 * FLOAT32 * tokens * vocab, BUFFER_BYTES) + 4 * FLOAT32 * pair_params(vocab, hidden, rank)
-            + FLOAT32 * vocab * teacher_width)
+            + min(2 * FLOAT32 * tokens * vocab, BUFFER_BYTES) + 4 * FLOAT32 * pair_params(vocab, hidden, rank))
 
 
 def teacher_tokens(prompts: int, prompt_tokens: int, answer_tokens: int, max_length: int) -> int:

@@ -549,33 +549,36 @@ def conversion_plan(job: ConvertJob, out: Path | None = None) -> Plan:
     # the conversion itself, on the host: the inputs as stored (drafter, target head), the head, Gram, factors
     weights = shape.weight_bytes if shape.weight_bytes is not None else shape.head_stored_bytes
     rest = max(0, weights - shape.head_stored_bytes)  # the drafter's other tensors: memory-mapped until used
-    stored = shape.head_stored_bytes
+    stored = _heads_read(job, shape, tconfig, tfacts)
     params = element = 0
     if tfacts is not None:
         params, element, counted = _target_params(tfacts, tconfig)
-        stored += element * int(tconfig["vocab_size"]) * int(tconfig["hidden_size"])
+    stitched = shape.draft_vocab if job.vocab == "full" and shape.has_head else 0
     out_element = torch_dtype(job.dtype).itemsize if isinstance(job.dtype, str) else (
         job.dtype.itemsize if isinstance(job.dtype, torch.dtype) else shape.element)
     stages: list[dict] = []
-    _stage(stages, "head read", "cpu", memory.head_read_bytes(head_vocab, d, stored),
-           "inputs as stored + the float32 head V*d*4")
-    _stage(stages, "gram + eigenvalues", "cpu", memory.gram_bytes(head_vocab, d, stored), "+ float64 Gram d*d*8")
+    _stage(stages, "head read", "cpu", memory.head_read_bytes(head_vocab, d, stored, stitched),
+           "heads read as stored + the float32 head V*d*4" + (" + the drafter's rows as float32" if stitched else ""))
+    _stage(stages, "gram + eigenvalues", "cpu", memory.gram_bytes(head_vocab, d, stored),
+           "+ float64 Gram d*d*8 + max(two more d*d*8, a float64 chunk of 16384 rows)")
     held = memory.factorize_bytes(head_vocab, d, r, stored)
-    _stage(stages, "factorisation", "cpu", held + memory.eigensolver_bytes(d),
-           "+ float32 factors V*r*4 + r*d*4 + the eigensolver's working copies 4*d*d*8")
+    _stage(stages, "factorisation", "cpu", memory.factorize_stage_bytes(head_vocab, d, r, stored),
+           "+ float32 factors V*r*4 + r*d*4 + max(eigensolver's copy d*d*8, error's chunk 16384*d*20)")
     teacher_data = None
     device = device_label(job.data_options.device)
     if job.reads_data:
         teacher_data = _teacher_stages(job, shape, tconfig, stages, notes, device=device, held=held,
-                                       head_vocab=head_vocab, rank=r, rest=rest, params=params)
+                                       head_vocab=head_vocab, rank=r, rest=rest, params=params, element=element)
         notes.append(f"target parameters ~{params:,}, counted from {counted}")
     else:
         notes.append("not distilled: a conversion without distillation steps can lose most of the drafter's "
                      "acceptance (without distill_steps, a conversion runs the demo's brief distillation)")
+    if job.reads_data:
+        held += memory.tokenizer_bytes(int(tconfig["vocab_size"]))  # the target's tokenizer stays
     written = memory.write_bytes(held, head_vocab, d, r, out_element, rest)
-    _stage(stages, "write", "cpu", written, "+ output tensors (other tensors + pair in the output dtype)")
-    _stage(stages, "verify", "cpu", memory.verify_bytes(written, head_vocab, d, r, out_element, rest),
-           "+ the written folder read back")
+    _stage(stages, "write", "cpu", written, "+ output tensors (other tensors + pair in the output dtype) x 2")
+    _stage(stages, "verify", "cpu", memory.verify_bytes(held, head_vocab, d, r, out_element, rest),
+           "+ output tensors + the written folder read back + both pairs as float32")
 
     peak: dict[str, int] = {}
     for s in stages:
@@ -608,13 +611,29 @@ def conversion_plan(job: ConvertJob, out: Path | None = None) -> Plan:
     return Plan(report)
 
 
+def _heads_read(job: ConvertJob, shape: DrafterShape, tconfig: dict[str, Any], tfacts: ModelFacts | None) -> int:
+    """Bytes of the heads the conversion reads as stored (memory-mapped, resident once read): the drafter's head, and
+    the target's where its rows go into the head (all of it for ``--vocab full``, the draft rows for a drafter
+    without a head of its own). A ``--vocab draft`` conversion of a drafter with a head reads the target's head
+    only for teacher data (:func:`memory.target_parts_load_bytes`)."""
+    stored = shape.head_stored_bytes
+    if tfacts is None:
+        return stored
+    element = _target_params(tfacts, tconfig)[1]
+    if job.vocab == "full":
+        return stored + element * int(tconfig["vocab_size"]) * int(tconfig["hidden_size"])
+    if not shape.has_head:
+        return stored + element * shape.draft_vocab * int(tconfig["hidden_size"])
+    return stored
+
+
 def _teacher_stages(job: ConvertJob, shape: DrafterShape, tconfig: dict[str, Any], stages: list[dict],
                     notes: list[str], *, device: str, held: int, head_vocab: int, rank: int, rest: int,
-                    params: int) -> dict[str, Any]:
+                    params: int, element: int) -> dict[str, Any]:
     """The stages of a conversion that reads teacher data (a whitened start, distillation steps) and the teacher
     data's size; ``held``: what the conversion holds on the host meanwhile."""
     options, cfg = job.data_options, job.distill_config
-    d, k = shape.hidden, cfg.ttt_steps
+    d = shape.hidden
     vt, ht = int(tconfig["vocab_size"]), int(tconfig["hidden_size"])
     layers = int(tconfig.get("num_hidden_layers") or 0)
     heads = int(tconfig.get("num_attention_heads") or 1)
@@ -638,7 +657,10 @@ def _teacher_stages(job: ConvertJob, shape: DrafterShape, tconfig: dict[str, Any
     target_run = memory.teacher_target_bytes(features, answering, regenerate=options.responses == "regenerate",
                                              static=static, batch=options.generation_batch, tokens=per_sequence,
                                              states=(shape.aux_states + 1) * ht)
-    host = held + memory.target_parts_bytes(vt, ht)  # the conversion and the target's head and embedding
+    # the conversion, the target's head and embedding, and its tokenizer
+    host = held + memory.target_parts_bytes(vt, ht) + memory.tokenizer_bytes(vt)
+    # while they are read, the head and embedding as stored too (before the target runs)
+    target_run = max(target_run, memory.target_parts_load_bytes(vt, ht, element))
     on_host = device == "cpu"
     if options.responses != "regenerate":
         what = f"{feature} target P*{feature_element} + one sequence's states"
@@ -646,35 +668,61 @@ def _teacher_stages(job: ConvertJob, shape: DrafterShape, tconfig: dict[str, Any
         what = f"{generation} target P*{gen_element} + KV cache + the batch's states"
     else:
         what = f"max({feature} target P*{feature_element} + states, {generation} target P*{gen_element} + KV cache)"
+    teacher_width = d + 1 if cfg.teacher == "drafter" else ht
+    # the distillation starts with a checksum of the teacher head taken from its float64 copy, on the host (from a
+    # GPU: after its float32 copy back)
+    identity = memory.run_identity_bytes(head_vocab, teacher_width) if job.distill_steps > 0 else 0
     _stage(stages, "teacher data", device, target_run + (host if on_host else 0),
-           what + (" + held + target head and embedding" if on_host else ""))
+           what + (" + held + target head, embedding and tokenizer" if on_host else ""))
     if not on_host:
-        _stage(stages, "teacher data (host)", "cpu", host, "held + target head and embedding Vt*Ht*4 x 2")
-    student = memory.student_feature_bytes(rows, k, d)
+        back = identity + memory.teacher_head_bytes(head_vocab, teacher_width) if identity else 0
+        _stage(stages, "teacher data (host)", "cpu", host + back,
+               "held + target head and embedding Vt*Ht*4 x 2 + tokenizer"
+               + (" + the teacher head's float32 and float64 copies" if back else ""))
+    if on_host and cfg.teacher == "target" and head_vocab == vt:
+        teacher_width = 0  # the teacher's head is the target's float32 head the host holds already
     drafter_params = rest // max(1, shape.element)
     # on the host the drafter shares the target's float32 embedding (counted in host) and reads its weights as
     # stored (memory-mapped, resident once read); on a GPU it holds its own copy of the embedding
-    model = memory.student_model_bytes(drafter_params, 0 if on_host else vt, ht) + memory.FLOAT32 * \
-        memory.pair_params(head_vocab, d, rank) + (rest if on_host else 0)
-    extra = host if on_host else 0
-    if job.resolved_init == "whitened":
-        _stage(stages, "whitened covariance", device, model + memory.covariance_bytes(student, d) + extra,
-               "drafter + features M*k*(d*4+12) + float64 covariance d*d*8")
-    table_element = 0
-    if job.distill_steps > 0:
-        budget = table_budget() if os.environ.get(TABLE_BYTES_ENV, "").strip() else free_memory(device) // 3
-        dtype = table_dtype(rows, k, head_vocab, budget)
-        table_element = dtype.itemsize if dtype is not None else 0
-        table = memory.teacher_table_bytes(rows, k, head_vocab, table_element)
-        teacher_width = d + 1 if cfg.teacher == "drafter" else ht
-        if on_host and cfg.teacher == "target" and head_vocab == vt:
-            teacher_width = 0  # the teacher's head is the target's float32 head the host holds already
-        step = memory.distill_step_bytes(cfg.batch_tokens, k, d, head_vocab, rank, teacher_width, table_element)
-        _stage(stages, "teacher table", device, model + student + table + extra,
-               f"+ log-probabilities M*k*V*{table_element}" if table_element else "no table (over its budget)")
-        _stage(stages, "distillation", device, model + student + table + step + extra,
-               "+ one step: batch B*k*(d*4+12), table rows, KL buffers, pair + Adam, teacher head")
+    model = memory.student_model_bytes(drafter_params, 0 if on_host else vt, ht) + (rest if on_host else 0) \
+        + memory.FLOAT32 * memory.pair_params(head_vocab, d, rank) + memory.teacher_head_bytes(head_vocab,
+                                                                                               teacher_width)
+    table_element = _distill_stages(job, stages, device=device, base=model + (host if on_host else 0),
+                                    rows=rows, hidden=d, head_vocab=head_vocab, rank=rank,
+                                    identity=identity if on_host else 0)
     return {"prompts": prompts, "prompt_tokens": prompt_tokens, "answer_tokens": answer_tokens, "tokens": tokens,
             "feature_rows": rows, "generation_dtype": generation, "engine": "static" if static else "transformers",
             "cache_bytes": memory.teacher_cache_bytes(tokens, ht, shape.aux_states, STORE_ELEMENT),
             "table_element_bytes": table_element}
+
+
+def _distill_stages(job: ConvertJob, stages: list[dict], *, device: str, base: int, rows: int, hidden: int,
+                    head_vocab: int, rank: int, identity: int) -> int:
+    """The whitened start's and the distillation's stages beside ``base`` (the drafter, the pair and the teacher's
+    head; on the host also what the host holds); ``identity``: the teacher head's float64 copy at the
+    distillation's start, beside the held-out features (in the whitened start's stage, else the table's). Returns
+    the table's bytes per value."""
+    cfg, d = job.distill_config, hidden
+    k = cfg.ttt_steps
+    student = memory.student_feature_bytes(rows, k, d)
+    pair = memory.FLOAT32 * memory.pair_params(head_vocab, d, rank)
+    covariance = memory.FLOAT64 * d * d  # held by the calibration until the distillation ends
+    if job.resolved_init == "whitened":
+        calibration = max(memory.covariance_bytes(student, d), covariance + memory.whitened_bytes(head_vocab, d, rank),
+                          covariance + pair + identity)  # the whitened start's pair beside the drafter's
+        _stage(stages, "whitened covariance", device, base + calibration,
+               "drafter + max(features M*k*(d*4+12) + covariance d*d*8, whitened solve, whitened pair + "
+               "teacher head as float64 V*w*8)")
+        identity = 0
+    if job.distill_steps <= 0:
+        return 0
+    budget = table_budget() if os.environ.get(TABLE_BYTES_ENV, "").strip() else free_memory(device) // 3
+    dtype = table_dtype(rows, k, head_vocab, budget)
+    table_element = dtype.itemsize if dtype is not None else 0
+    table = memory.teacher_table_bytes(rows, k, head_vocab, table_element)
+    step = memory.distill_step_bytes(cfg.batch_tokens, k, d, head_vocab, rank, table_element)
+    _stage(stages, "teacher table", device, base + max(student + table, identity),
+           f"+ log-probabilities M*k*V*{table_element}" if table_element else "no table (over its budget)")
+    _stage(stages, "distillation", device, base + student + table + step,
+           "+ one step: batch B*k*(d*4+12), table rows, KL buffers, pair + Adam")
+    return table_element
