@@ -2,8 +2,9 @@
 
 The pair starts from the whitened factorisation of the drafter's head (covariance of the calibration states, all
 three TTT steps); ``--steps`` > 0 then distils it with the brief recipe's settings against the source head, under the
-two-level KL (or ``--loss pair``: the pair's own KL) at each point's shortlist. Agreement = share of mt_bench answer
-states (all TTT steps; the source backbone) where the head's greedy token is the source head's; cost = multiply-adds
+two-level KL (or ``--loss pair``: the pair's own KL; ``--loss margin``: the teacher's token above the shortlist's
+boundary) at each point's shortlist. Agreement = share of mt_bench answer states (all TTT steps; the source
+backbone) where the head's greedy token is the source head's; cost = multiply-adds
 as a share of the full head, ``(r (V + d) + (K + N) d) / (V d)``. Hot rows: the draft tokens most frequent in the
 target's answers to the calibration prompts. Measures on eval/ prompts; trains on the calibration prompts only.
 
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--points", default="16:240", help="comma-separated rank:shortlist[:hot] points")
     parser.add_argument("--steps", type=int, default=0, help="distillation steps per point (0: the whitened start)")
-    parser.add_argument("--loss", default="two_level", choices=("two_level", "pair"))
+    parser.add_argument("--loss", default="two_level", choices=("two_level", "pair", "margin"))
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--eval-data", default="src/slimspec/data/eval/mt_bench.jsonl")
     parser.add_argument("--save", default=None, help="folder to save each point's head tensors (pt) in")

@@ -121,3 +121,41 @@ def test_two_level_kl_and_gradients_match_float64():
     table = two_level_kl(h.double(), down.double(), up.double(), exact.double(), K, hot, weights=weights,
                          teacher_logits=log_probs, teacher_log_probs=True)
     assert float(table) == pytest.approx(float(expected), rel=1e-10)
+
+
+def test_shortlist_margin_loss_and_gradients_match_float64():
+    """Catches the margin taken against the wrong boundary (the K-th value with the teacher's own token counted, so
+    a token at the boundary is never pushed over it), hot teacher tokens not skipped, weights or a token chunk lost,
+    or gradients that miss the boundary token."""
+    from slimspec.distill.loss import shortlist_margin_loss
+
+    up, down, _, hot, h = _parts(4)
+    g = torch.Generator().manual_seed(5)
+    h = h.reshape(-1, D)
+    th, tw = torch.randn(h.shape[0], 11, generator=g), torch.randn(V, 11, generator=g)
+    weights = torch.rand(h.shape[0], generator=g)
+    weights[2] = 0
+    wanted = (th.double() @ tw.double().T).argmax(-1)
+    wanted[5] = hot[0]  # a hot teacher token: always rescored, no loss
+    teacher = torch.full((h.shape[0], V), -5.0).scatter(1, wanted[:, None], 5.0)
+
+    def reference(hh, dd, uu):
+        screen = hh @ dd.T @ uu.T
+        terms = []
+        for row in range(screen.shape[0]):
+            others = [float(screen[row, v].detach()) for v in range(V)]
+            others[int(wanted[row])] = float("-inf")
+            boundary = sorted(range(V), key=lambda v: -others[v])[K - 1]
+            free = 0.0 if int(wanted[row]) in hot.tolist() else 1.0
+            terms.append(free * torch.nn.functional.softplus(1.0 + screen[row, boundary] - screen[row, wanted[row]]))
+        return (weights.double() * torch.stack(terms)).sum() / weights.double().sum()
+
+    leaves64 = [t.double().requires_grad_() for t in (h, down, up)]
+    expected = reference(*leaves64)
+    expected.backward()
+    leaves = [t.clone().requires_grad_() for t in (h, down, up)]
+    got = shortlist_margin_loss(*leaves, K, hot, weights=weights, token_chunk=4, teacher_logits=teacher)
+    (2 * got).backward()
+    assert float(got) == pytest.approx(float(expected), rel=1e-5)
+    for mine, ref in zip(leaves, leaves64, strict=True):
+        torch.testing.assert_close(mine.grad.double(), 2 * ref.grad, rtol=1e-3, atol=2e-5)

@@ -22,11 +22,14 @@ import warnings
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor
 
 from slimspec.model import screen_shortlist
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "full_vocab_kl", "naive_full_vocab_kl", "top1_agreement", "two_level_kl"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "full_vocab_kl", "naive_full_vocab_kl", "shortlist_margin_loss", "top1_agreement",
+           "two_level_kl"]
 
 DEFAULT_CHUNK_SIZE = 4096
 """Vocabulary rows per chunk when ``chunk_size`` is None (tuned on a 2-core AVX-512 CPU, scripts/bench_kl.py)."""
@@ -491,3 +494,57 @@ def two_level_kl(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, w_exact: 
     with torch.no_grad():
         return _two_level_sum(student_hidden, w_down, w_up, w_exact, hot_ids, spec, coef, shortlist, chunk,
                               want_grad=False)[0]
+
+
+def _margin_chunk(h: Tensor, down: Tensor, up: Tensor, wanted: Tensor, coef: Tensor, shortlist: int,
+                  margin: float) -> Tensor:
+    """sum_t coef_t softplus(margin + theta_t - s_t[y_t]) of one token chunk (``wanted`` [n]: y_t)."""
+    screen = (h @ down.T) @ up.T
+    at_wanted = screen.gather(1, wanted[:, None])[:, 0]
+    others = screen.detach().scatter(1, wanted[:, None], float("-inf"))
+    values, ids = torch.topk(others, shortlist, dim=-1, sorted=False)
+    boundary = screen.gather(1, ids.gather(1, values.argmin(dim=-1, keepdim=True)))[:, 0]
+    return (coef * F.softplus(margin + boundary - at_wanted)).sum()
+
+
+def shortlist_margin_loss(student_hidden: Tensor, w_down: Tensor, w_up: Tensor, shortlist: int,
+                          hot_ids: Tensor | None = None, teacher_hidden: Tensor | None = None,
+                          teacher_head: Tensor | None = None, *, weights: Tensor | None = None,
+                          token_chunk: int | None = None, matmul_dtype: torch.dtype | None = None,
+                          teacher_logits: Tensor | None = None, teacher_log_probs: bool = False,
+                          margin: float = 1.0) -> Tensor:
+    """Mean over tokens of ``softplus(margin + theta_t - s_t[y_t])``: ``y_t`` the teacher's argmax, ``s_t`` the pair's
+    screen ``h W_down^T W_up^T``, ``theta_t`` the ``shortlist``-th largest screen value among the other tokens.
+
+    A screen-and-rescore head drafts the teacher's token exactly when it is in the shortlist (its exact row then
+    wins), so this trains the screen's recall of it directly: near zero once ``y_t`` clears the shortlist's boundary
+    by ``margin``, its gradient raises ``s_t[y_t]`` and lowers the boundary token. Tokens whose ``y_t`` is a hot id
+    (always rescored) add nothing. The teacher and weights as in :func:`full_vocab_kl`; tokens ``token_chunk`` at a
+    time with each chunk's [token_chunk, V] screen recomputed in the backward, so no [T, V] tensor is held.
+    ``matmul_dtype`` and ``teacher_log_probs`` are accepted for the callers' symmetry and ignored (an argmax).
+    """
+    del matmul_dtype, teacher_log_probs
+    _check(student_hidden, w_down, w_up, teacher_hidden, teacher_head, weights, teacher_logits)
+    teachers = [t for t in (teacher_hidden, teacher_head, teacher_logits) if t is not None]
+    cdtype = _compute_dtype(student_hidden, w_down, w_up, *teachers)
+    tokens, vocab = student_hidden.shape[0], w_up.shape[0]
+    coef, keep = _token_coefficients(weights, tokens, cdtype, student_hidden.device)
+    rows = torch.arange(tokens, device=student_hidden.device) if keep is None else keep
+    total = (student_hidden.sum() * 0 + (w_down.sum() + w_up.sum()) * 0).to(cdtype)
+    chunk = token_chunk or max(1, _pick_token_chunk(tokens, vocab, cdtype) // 2)
+    h_all, down, up = student_hidden.to(cdtype), w_down.to(cdtype), w_up.to(cdtype)
+    for a in range(0, rows.numel(), chunk):
+        at = rows[a:a + chunk]
+        with torch.no_grad():
+            teacher = (teacher_logits[at].to(cdtype) if teacher_logits is not None else
+                       teacher_hidden[at].to(cdtype) @ teacher_head.to(cdtype).T)
+            wanted = teacher.argmax(dim=-1)
+            free = coef[a:a + chunk]
+            if hot_ids is not None and hot_ids.numel():
+                free = free * ~torch.isin(wanted, hot_ids.to(wanted.device))
+        args = (h_all[at], down, up, wanted, free, shortlist, margin)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (h_all, down, up)):
+            total = total + torch.utils.checkpoint.checkpoint(_margin_chunk, *args, use_reentrant=False)
+        else:
+            total = total + _margin_chunk(*args)
+    return total

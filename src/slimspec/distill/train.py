@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from slimspec.convert.factorize import balance_factors
-from slimspec.distill.loss import full_vocab_kl, top1_agreement, two_level_kl
+from slimspec.distill.loss import full_vocab_kl, shortlist_margin_loss, top1_agreement, two_level_kl
 from slimspec.distill.teacher import TeacherData
 from slimspec.distill.teacher_table import table_budget, table_dtype, teacher_table
 from slimspec.errors import OptionError, SlimSpecError
@@ -40,7 +40,7 @@ TEACHERS = ("target", "drafter")
 or the source drafter's own full-rank head on the same states (recovers the original with little data)."""
 
 
-SCREEN_LOSSES = ("two_level", "pair")
+SCREEN_LOSSES = ("two_level", "pair", "margin")
 """How a screen-and-rescore head distils: the KL of its two-level logits, or the plain pair's KL."""
 
 
@@ -65,7 +65,8 @@ class DistillConfig:
     bf16: bool = False  # mixed precision: backbone under bf16 autocast, KL matmuls in bf16 (sums, softmax in fp32)
     teacher_temperature: float = 1.0  # training KL against softmax(teacher logits / T); held-out KL stays at T = 1
     # a screen-and-rescore head's loss: "two_level" (KL of its two-level logits: exact on the shortlist, the pair's
-    # elsewhere) or "pair" (the plain pair's full-vocabulary KL, as for a low-rank head)
+    # elsewhere), "pair" (the plain pair's full-vocabulary KL, as for a low-rank head) or "margin" (the teacher's
+    # argmax above the shortlist's boundary: recall alone, :func:`shortlist_margin_loss`)
     screen_loss: str = "two_level"
 
     def __post_init__(self) -> None:
@@ -426,7 +427,13 @@ def head_kl(drafter: Eagle3Drafter, screen_loss: str = "two_level"):
     head = drafter.lm_head
     if not isinstance(head, ScreenRescoreHead) or screen_loss == "pair":
         return full_vocab_kl
+    if screen_loss == "margin":
+        return partial(_screen_margin, head)
     return partial(_screen_kl, head)
+
+
+def _screen_margin(head: ScreenRescoreHead, h, down, up, *args, **kwargs):
+    return shortlist_margin_loss(h, down, up, head.shortlist, head.hot_ids, *args, **kwargs)
 
 
 def _screen_kl(head: ScreenRescoreHead, h, down, up, *args, **kwargs):
