@@ -65,6 +65,19 @@ def test_dry_run_of_the_embedded_drafter_prints_the_plan_and_writes_nothing(no_w
     _nothing_written(no_weights)
 
 
+def test_dry_run_of_a_screen_says_its_cost_or_that_the_budget_picks_it(no_weights):
+    """Catches a screen-and-rescore plan printed as a plain pair (its shortlist and cost, 16 x (8192 + 576) + 240 x
+    576 over 8192 x 576 = 0.059, unsaid) and a head budget planned as if the rank were fixed."""
+    screen = CliRunner().invoke(main, ["convert", DRAFTER, "--rank", "16", "--shortlist", "240", "--dry-run"])
+    assert screen.exit_code == 0, screen.output
+    assert "the pair's top 240 rescored by the drafter's own rows, 0.059 of the head's multiply-adds" in screen.stdout
+    budget = CliRunner().invoke(main, ["convert", DRAFTER, "--head-budget", "d/8", "--dry-run"])
+    assert budget.exit_code == 0, budget.output
+    assert "head budget 0.134 of the head's multiply-adds: the rank, --shortlist and --hot-rows are picked" in \
+        budget.stdout
+    _nothing_written(no_weights)
+
+
 def test_dry_run_json_follows_vocab_and_reads_no_data_without_distillation(no_weights):
     """Catches a head vocabulary that ignores --vocab (draft: the drafter's 8192 rows) and a plan that counts the
     target's whole download for a conversion that reads only its head."""

@@ -33,8 +33,10 @@ from slimspec.dtypes import torch_dtype
 from slimspec.errors import CheckpointError, OptionError, RankError, SlimSpecError, first_line
 from slimspec.hardware import available_memory, default_generation_dtype, resolve_device
 from slimspec.hub import HUB_ID, TARGET_META_PATTERNS, WEIGHT_INDEXES
+from slimspec.model import screen_cost
 from slimspec.prompts import PROMPT_SUFFIXES, load_prompts
 from slimspec.workflows import memory
+from slimspec.workflows.budget import budget_share
 from slimspec.workflows.job import ConvertJob
 
 EMBEDDED_TARGET_CONFIG = {"model_type": "llama", "hidden_size": 576, "vocab_size": 49152, "num_hidden_layers": 30,
@@ -527,6 +529,22 @@ def _downloads(job: ConvertJob, inputs: _Inputs) -> dict[str, Any]:
     return download
 
 
+def _screen_notes(job: ConvertJob, vocab: int, hidden: int, rank: int | None) -> list[str]:
+    """What a screen-and-rescore job adds to the plan: its shortlist and cost, or that a head budget picks them."""
+    if job.head_budget is not None:
+        share = budget_share(job.head_budget, vocab, hidden)
+        return [f"head budget {share:.3f} of the head's multiply-adds: the rank, --shortlist and --hot-rows are "
+                "picked when it runs, from the screens under it measured on held-out calibration states (the "
+                "memory shown is the plain pair's; the drafter's own rows stay beside the pair)"]
+    if job.shortlist and rank is not None:
+        share = screen_cost(vocab, hidden, rank, job.shortlist, job.hot_rows)
+        hot = f" and {job.hot_rows} hot tokens" if job.hot_rows else ""
+        return [f"screen and rescore: the pair's top {job.shortlist}{hot} rescored by the drafter's own rows, "
+                f"{share:.3f} of the head's multiply-adds; the folder keeps those {vocab} x {hidden} rows beside "
+                "the pair"]
+    return []
+
+
 def conversion_plan(job: ConvertJob, out: Path | None = None) -> Plan:
     """Plan ``job`` (validated) from its inputs' descriptions: refuses in one line what the configs show the
     conversion would refuse; ``out``: the output folder when the caller decides it (a batch job)."""
@@ -538,6 +556,7 @@ def conversion_plan(job: ConvertJob, out: Path | None = None) -> Plan:
     head_vocab = shape.draft_vocab if job.vocab == "draft" else int(tconfig["vocab_size"])
     rank = _rank(job, shape, head_vocab, notes)
     r = rank if rank is not None else d - 1  # energy:F: the memory of the largest rank it may give
+    notes += _screen_notes(job, head_vocab, d, rank)
     if out is None:
         out = job.out if job.out is not None else Path(f"{model_name(job.drafter)}-slimspec-r{rank or '<r>'}")
     if rank is not None or job.out is not None:
