@@ -98,14 +98,14 @@ def test_dry_run_json_follows_vocab_and_reads_no_data_without_distillation(no_we
 def test_the_head_read_counts_the_targets_stored_head_only_where_its_rows_go_into_the_head(no_weights):
     """Catches a plan that counts the target's stored head in a --vocab draft conversion of a drafter with a head
     (its own head is factorised; the target's is read only for teacher data), or leaves the target's stored head
-    or the drafter's rows made float32 while stitched out of a --vocab full one: the head reads differ by the full
-    head's extra float32 rows (49152 - 8192) x 576 x 4, the float32 target's head as stored 49152 x 576 x 4 and
-    the drafter's 8192 rows as float32."""
+    or the drafter's rows made float32 while stitched out of a --vocab full one, or counts all of them where they are
+    made float32 4096 at a time: the head reads differ by the full head's extra float32 rows (49152 - 8192) x 576
+    x 4, the float32 target's head as stored 49152 x 576 x 4 and 4096 of the drafter's 8192 rows as float32."""
     full = _plan(CliRunner().invoke(main, ["convert", DRAFTER, "--distill-steps", "0", "--dry-run", "--json"]))
     draft = _plan(CliRunner().invoke(main, ["convert", DRAFTER, "--vocab", "draft", "--rank", "64", "--no-distill",
                                             "--dry-run", "--json"]))
     read = [{s["stage"]: s["bytes"] for s in report["stages"]}["head read"] for report in (full, draft)]
-    assert read[0] - read[1] == 4 * 576 * (49152 - 8192) + 4 * 576 * 49152 + 4 * 576 * 8192
+    assert read[0] - read[1] == 4 * 576 * (49152 - 8192) + 4 * 576 * 49152 + 4 * 576 * 4096
     _nothing_written(no_weights)
 
 
@@ -162,6 +162,19 @@ def test_a_gpu_plan_is_checked_against_the_gpus_free_memory(no_weights, monkeypa
     devices = {s["stage"]: s["device"] for s in report["stages"]}
     assert devices["teacher data"] == devices["distillation"] == "cuda:0" and devices["factorisation"] == "cpu"
     assert report["free"] == {"cpu": 10**12, "cuda:0": 10_000_000} and not report["fits"]
+    _nothing_written(no_weights)
+
+
+def test_the_distillations_checksum_counts_one_block_of_the_teacher_head(no_weights, monkeypatch, pretend_gpus):
+    """Catches a plan that counts the teacher head's checksum as a float64 (and float32) copy of the whole head
+    (49152 x 576 x 12 = 340 MB) where it is taken 4096 rows at a time: beside a GPU run's host stage, distillation
+    steps add one block copied back as float32 and made float64, 4096 x 576 x (4 + 8) bytes."""
+    pretend_gpus(1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    args = ["convert", DRAFTER, "--init", "whitened", "--num-prompts", "4", "--device", "cuda", "--dry-run", "--json"]
+    host = [{s["stage"]: s["bytes"] for s in _plan(CliRunner().invoke(main, [*args, "--distill-steps", steps]))[
+        "stages"]}["teacher data (host)"] for steps in ("4", "0")]
+    assert host[0] - host[1] == 4096 * 576 * (4 + 8)
     _nothing_written(no_weights)
 
 

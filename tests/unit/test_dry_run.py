@@ -28,7 +28,8 @@ def test_head_parameters_and_flops_at_llama_8b():
 
 def test_conversion_stage_memory_at_llama_8b():
     """Catches a stage formula that forgets what earlier stages leave in memory, or counts a tensor at the wrong
-    width: the process 256 MiB, head 2.10 GB (+ the drafter's 32,000 rows as float32 while stitched, 524 MB),
+    width: the process 256 MiB, head 2.10 GB (+ 4096 of the drafter's rows as float32 at a time while stitched,
+    67 MB, not all 32,000 of them),
     + Gram 134 MB and, beside it, the larger of two more float64 d x d and a float64 16,384-row chunk (537 MB),
     + factors 271 MB and the larger of the eigensolver's copy (134 MB) and the error's 16,384-row chunk in float32,
     float64 and squared (1.34 GB); verifying reads the written folder back beside the output tensors and makes
@@ -37,7 +38,8 @@ def test_conversion_stage_memory_at_llama_8b():
     assert memory.RUNTIME_BYTES == runtime
     assert memory.head_read_bytes(V, D, 0) == runtime + 2_101_346_304
     assert memory.head_read_bytes(V, D, 1000) == runtime + 2_101_347_304
-    assert memory.head_read_bytes(V, D, 0, stitched_rows=VD) == runtime + 2_101_346_304 + 524_288_000
+    assert memory.head_read_bytes(V, D, 0, stitched_rows=VD) == runtime + 2_101_346_304 + 67_108_864
+    assert memory.head_read_bytes(V, D, 0, stitched_rows=1000) == runtime + 2_101_346_304 + 16_384_000
     assert memory.gram_bytes(V, D, 0) == runtime + 2_101_346_304 + 134_217_728 + 536_870_912
     # 1000 rows: the chunk (32.8 MB) is smaller than the triangle's two d x d (268 MB)
     assert memory.gram_bytes(1000, D, 0) == runtime + 16_384_000 + 134_217_728 + 268_435_456
@@ -74,7 +76,8 @@ def test_teacher_data_memory_at_llama_8b():
 def test_distillation_memory_at_llama_8b():
     """Catches a teacher table or feature store sized without the TTT steps, a KL buffer not capped at 256 MiB, a
     step that forgets the pair's gradient and Adam moments, a teacher head of the wrong width (Ht for the target,
-    d + 1 for the drafter), the distillation's float64 copy of it, and the whitened solve's five float64 d x d
+    d + 1 for the drafter), the distillation's checksum block of it (4096 rows in float64, and in float32 too
+    from a GPU; not a float64 copy of the whole head, 4.2 GB), and the whitened solve's five float64 d x d
     beside the larger of two more and the up factor in float32 and float64."""
     assert memory.teacher_table_bytes(10_000, 3, V, 4) == 15_390_720_000
     assert memory.teacher_table_bytes(10_000, 3, V, 0) == 0
@@ -85,7 +88,9 @@ def test_distillation_memory_at_llama_8b():
     assert memory.distill_step_bytes(2048, 3, D, V, R, 2) == 1_453_400_064 + 6144 * V * 2
     assert memory.teacher_head_bytes(V, D) == 2_101_346_304
     assert memory.teacher_head_bytes(VD, D + 1) == 524_416_000
-    assert memory.run_identity_bytes(V, D) == 4_202_692_608
+    assert memory.run_identity_bytes(V, D) == 134_217_728
+    assert memory.run_identity_bytes(V, D, from_device=True) == 201_326_592
+    assert memory.run_identity_bytes(1000, D + 1) == 32_776_000  # fewer rows than a block
     assert memory.whitened_bytes(V, D, R) == 671_088_640 + 788_004_864
     assert memory.whitened_bytes(VD, D, R) == 671_088_640 + 268_435_456
 

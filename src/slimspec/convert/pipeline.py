@@ -19,6 +19,9 @@ from slimspec.errors import CheckpointError, OptionError, SlimSpecError
 
 VocabMode = Literal["full", "draft"]
 NOT_CARRIED = ("lm_head.weight", LOWRANK_DOWN, SCREEN_EXACT, SCREEN_HOT_IDS, "d2t", "t2d")
+STITCH_ROWS = 4096
+"""Drafter rows made float32 at a time while they are stitched into the target's head (``--vocab full``): at most
+``4096*d*4`` bytes beside the head (128 MiB at d = 8192) rather than a float32 copy of all of them."""
 
 
 @dataclass
@@ -86,11 +89,20 @@ def stitched_head(ckpt: DrafterCheckpoint, target: TargetHead | None, vocab: Voc
     if stitch == "zero":
         weight.zero_()
     elif stitch == "scaled":
-        weight *= float(head.float().norm(dim=1).mean() / weight[ids].norm(dim=1).mean().clamp_min(1e-12))
+        weight *= float(_row_norms(head).mean() / _row_norms(weight, ids).mean().clamp_min(1e-12))
     elif stitch != "target":
         raise OptionError(f"{{stitch}} must be target, zero or scaled; got {stitch!r}", "stitch")
-    weight[ids] = head.float()
+    for a in range(0, head.shape[0], STITCH_ROWS):  # the drafter's rows made float32 a block at a time
+        weight[ids[a:a + STITCH_ROWS]] = head[a:a + STITCH_ROWS].float()
     return weight, head.shape[0]
+
+
+def _row_norms(matrix: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 L2 norm of each row of ``matrix`` (of rows ``ids``), taken :data:`STITCH_ROWS` rows at a time:
+    the same values as ``matrix[ids].float().norm(dim=1)`` without a float32 copy of every row."""
+    count = matrix.shape[0] if ids is None else ids.numel()
+    return torch.cat([(matrix[a:a + STITCH_ROWS] if ids is None else matrix[ids[a:a + STITCH_ROWS]]).float()
+                      .norm(dim=1) for a in range(0, count, STITCH_ROWS)])
 
 
 def check_finite_head(weight: torch.Tensor, rows_from_drafter: int, vocab: VocabMode) -> None:

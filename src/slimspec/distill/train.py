@@ -577,7 +577,7 @@ def train_drafter(
     device = torch.device(device) if device is not None else origin
     if world > 1 and device.type != "cpu":
         raise SlimSpecError(f"distributed distillation (torchrun) runs on the CPU; got device {device}")
-    run = _run_identity(teacher, teacher_head.float())  # before any move: the same sums on every device
+    run = _run_identity(teacher, teacher_head)  # summed on the host: the same sums on every device
     drafter.to(device)
     try:
         return _distill(drafter, teacher, teacher_head.to(device), cfg, checkpoint_dir, resume, progress, keep_every,
@@ -737,8 +737,7 @@ def _resume(state: _Training) -> int:
     if differ:
         shown = ", ".join(f"{k} {saved.get(k)!r}, now {getattr(cfg, k)!r}" for k in differ)
         raise SlimSpecError(f"{path}: saved with other settings ({shown}); resume needs the same options")
-    saved_run = saved_state.get("run") or {}  # a field the checkpoint does not record is not compared
-    if any(saved_run.get(key, value) != value for key, value in state.run.items()):
+    if not _same_run(saved_state.get("run") or {}, state.run):
         raise OptionError(f"{path}: saved by a run on other teacher data or another source drafter; resume "
                           "needs the same {data}, prompts and checkpoint (or another {out})", "data", "out")
     with torch.no_grad():
@@ -871,11 +870,55 @@ def _student_identity(drafter: Eagle3Drafter, trained: list[torch.nn.Parameter])
     return {"shapes": [list(p.shape) for p in trained], "frozen_sum": frozen}
 
 
+IDENTITY_ROWS = 4096
+"""Rows of the teacher head a checksum block holds in float64 (:func:`head_checksum`): ``4096*w*8`` bytes on the
+host (128 MiB at w = 4096) rather than a float64 copy of the whole head."""
+CHECKSUM_TOLERANCE = 1e-10
+"""How far a saved head sum may lie from this run's, relative to the sum of the head's absolute values: float64
+sums of the same values in another order differ by about 1e-16 of it per level of their summation tree."""
+
+
+def head_checksum(head: torch.Tensor, rows: int = IDENTITY_ROWS) -> tuple[float, float]:
+    """(sum, sum of absolute values) of ``head``'s elements in float64, taken on the host ``rows`` rows at a time
+    (a block's float64 copy at most, wherever the head is).
+
+    Equal heads give equal checksums on one machine and build (the blocks are fixed and added in order), but the
+    last bits of the sum depend on the summation order: another block size, another number of threads or one sum
+    over the whole head at once differs by rounding. So the sums are compared within :data:`CHECKSUM_TOLERANCE` of
+    the absolute sum (:func:`_same_head`), not bit for bit: a checkpoint whose sum was taken over the whole head
+    resumes, and a head from another model or revision moves the sum by far more."""
+    total = magnitude = 0.0
+    for a in range(0, head.shape[0], rows):
+        block = head[a:a + rows].detach().to("cpu", torch.float64)
+        total += float(block.sum())
+        magnitude += float(torch.linalg.vector_norm(block, 1))  # no second copy (nor one of a float64 head)
+    return total, magnitude
+
+
 def _run_identity(teacher: TeacherData, teacher_head: torch.Tensor) -> dict:
     """What a resumed run must share with the one that saved the checkpoint besides its config: the teacher data
-    (cache key, sequences, tokens) and the teacher head (the source drafter's or the target's)."""
+    (cache key, sequences, tokens) and the teacher head (the source drafter's or the target's): its shape, and
+    its sum and absolute sum by :func:`head_checksum`, compared by :func:`_same_head`."""
     return {"data_key": teacher.manifest.get("key"), "sequences": len(teacher), "tokens": teacher.num_tokens,
-            "teacher_head": [list(teacher_head.shape), float(teacher_head.detach().cpu().double().sum())]}
+            "teacher_head": [list(teacher_head.shape), *head_checksum(teacher_head, IDENTITY_ROWS)]}
+
+
+def _same_head(saved: list, now: list) -> bool:
+    """Whether a checkpoint's ``teacher_head`` identity ``[shape, sum(, absolute sum)]`` is this run's ``[shape,
+    sum, absolute sum]``: the same shape, and sums within :data:`CHECKSUM_TOLERANCE` of the absolute sum (a
+    checkpoint that records no absolute sum is compared by its sum alone)."""
+    shape, total, magnitude = now
+    if list(saved[0]) != shape:
+        return False
+    slack = CHECKSUM_TOLERANCE * magnitude
+    return abs(saved[1] - total) <= slack and (len(saved) < 3 or abs(saved[2] - magnitude) <= slack)
+
+
+def _same_run(saved: dict, now: dict) -> bool:
+    """Whether a checkpoint's ``run`` record matches this run's (a field the checkpoint does not record is not
+    compared): the teacher head by :func:`_same_head`, the rest exactly."""
+    return all(key not in saved or (_same_head(saved[key], value) if key == "teacher_head" else saved[key] == value)
+               for key, value in now.items())
 
 
 def _save_checkpoint(folder: Path, step: int, params, optimizer, generator, history, cfg, run: dict) -> Path:

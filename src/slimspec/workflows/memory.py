@@ -16,7 +16,9 @@ real 8B and 70B widths and vocabularies (``scripts/rehearse.py``; BENCHMARKS.md,
 from __future__ import annotations
 
 from slimspec.convert.factorize import DEFAULT_CHUNK_ROWS
+from slimspec.convert.pipeline import STITCH_ROWS
 from slimspec.distill.loss import BUFFER_BYTES
+from slimspec.distill.train import IDENTITY_ROWS
 
 FLOAT32 = 4
 FLOAT64 = 8
@@ -65,9 +67,10 @@ def head_held_bytes(vocab: int, hidden: int, stored: int) -> int:
 
 
 def head_read_bytes(vocab: int, hidden: int, stored: int, stitched_rows: int = 0) -> int:
-    """Reading the head: :func:`head_held_bytes` ``+ Vd*d*4`` while ``stitched_rows`` (Vd) drafter rows are put
-    into the target's head (``--vocab full``): they are made float32 as a whole before they are written in."""
-    return head_held_bytes(vocab, hidden, stored) + FLOAT32 * stitched_rows * hidden
+    """Reading the head: :func:`head_held_bytes` ``+ min(Vd, 4096)*d*4`` while ``stitched_rows`` (Vd) drafter rows
+    are put into the target's head (``--vocab full``): they are made float32 4096 rows at a time
+    (:data:`~slimspec.convert.pipeline.STITCH_ROWS`) as they are written in."""
+    return head_held_bytes(vocab, hidden, stored) + FLOAT32 * min(stitched_rows, STITCH_ROWS) * hidden
 
 
 def chunk_rows(vocab: int) -> int:
@@ -213,10 +216,12 @@ def teacher_head_bytes(vocab: int, width: int) -> int:
     return FLOAT32 * vocab * width
 
 
-def run_identity_bytes(vocab: int, width: int) -> int:
-    """The distillation's start: the teacher head's float64 copy its checksum is taken from (what a resumed run
-    must share), ``V*w*8`` (``w``: Ht for the target teacher, d+1 for the drafter teacher)."""
-    return FLOAT64 * vocab * width
+def run_identity_bytes(vocab: int, width: int, from_device: bool = False) -> int:
+    """The distillation's start: the float64 copy of one 4096-row block of the teacher head
+    (:data:`~slimspec.distill.train.IDENTITY_ROWS`) its checksum is taken from (what a resumed run must share) on
+    the host, ``min(V, 4096)*w*8`` (``w``: Ht for the target teacher, d+1 for the drafter teacher); from a head on a
+    GPU (``from_device``) also the block's float32 copy it is converted from on the host, ``min(V, 4096)*w*4``."""
+    return (FLOAT64 + (FLOAT32 if from_device else 0)) * min(vocab, IDENTITY_ROWS) * width
 
 
 def teacher_table_bytes(rows: int, steps: int, vocab: int, element: int) -> int:

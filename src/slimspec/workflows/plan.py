@@ -577,7 +577,8 @@ def conversion_plan(job: ConvertJob, out: Path | None = None) -> Plan:
         job.dtype.itemsize if isinstance(job.dtype, torch.dtype) else shape.element)
     stages: list[dict] = []
     _stage(stages, "head read", "cpu", memory.head_read_bytes(head_vocab, d, stored, stitched),
-           "heads read as stored + the float32 head V*d*4" + (" + the drafter's rows as float32" if stitched else ""))
+           "heads read as stored + the float32 head V*d*4"
+           + (" + up to 4096 of the drafter's rows as float32 at a time" if stitched else ""))
     _stage(stages, "gram + eigenvalues", "cpu", memory.gram_bytes(head_vocab, d, stored),
            "+ float64 Gram d*d*8 + max(two more d*d*8, a float64 chunk of 16384 rows)")
     held = memory.factorize_bytes(head_vocab, d, r, stored)
@@ -688,16 +689,16 @@ def _teacher_stages(job: ConvertJob, shape: DrafterShape, tconfig: dict[str, Any
     else:
         what = f"max({feature} target P*{feature_element} + states, {generation} target P*{gen_element} + KV cache)"
     teacher_width = d + 1 if cfg.teacher == "drafter" else ht
-    # the distillation starts with a checksum of the teacher head taken from its float64 copy, on the host (from a
-    # GPU: after its float32 copy back)
+    # the distillation starts with a checksum of the teacher head, taken on the host a float64 block of rows at a
+    # time (from a GPU: each block copied back as float32 first)
     identity = memory.run_identity_bytes(head_vocab, teacher_width) if job.distill_steps > 0 else 0
     _stage(stages, "teacher data", device, target_run + (host if on_host else 0),
            what + (" + held + target head, embedding and tokenizer" if on_host else ""))
     if not on_host:
-        back = identity + memory.teacher_head_bytes(head_vocab, teacher_width) if identity else 0
+        back = memory.run_identity_bytes(head_vocab, teacher_width, from_device=True) if identity else 0
         _stage(stages, "teacher data (host)", "cpu", host + back,
                "held + target head and embedding Vt*Ht*4 x 2 + tokenizer"
-               + (" + the teacher head's float32 and float64 copies" if back else ""))
+               + (" + a block of the teacher head's rows in float32 and float64" if back else ""))
     if on_host and cfg.teacher == "target" and head_vocab == vt:
         teacher_width = 0  # the teacher's head is the target's float32 head the host holds already
     drafter_params = rest // max(1, shape.element)
@@ -718,9 +719,9 @@ def _teacher_stages(job: ConvertJob, shape: DrafterShape, tconfig: dict[str, Any
 def _distill_stages(job: ConvertJob, stages: list[dict], *, device: str, base: int, rows: int, hidden: int,
                     head_vocab: int, rank: int, identity: int) -> int:
     """The whitened start's and the distillation's stages beside ``base`` (the drafter, the pair and the teacher's
-    head; on the host also what the host holds); ``identity``: the teacher head's float64 copy at the
-    distillation's start, beside the held-out features (in the whitened start's stage, else the table's). Returns
-    the table's bytes per value."""
+    head; on the host also what the host holds); ``identity``: the float64 block of the teacher head's rows the
+    distillation's start takes its checksum from, beside the held-out features (in the whitened start's stage,
+    else the table's). Returns the table's bytes per value."""
     cfg, d = job.distill_config, hidden
     k = cfg.ttt_steps
     student = memory.student_feature_bytes(rows, k, d)
@@ -731,7 +732,7 @@ def _distill_stages(job: ConvertJob, stages: list[dict], *, device: str, base: i
                           covariance + pair + identity)  # the whitened start's pair beside the drafter's
         _stage(stages, "whitened covariance", device, base + calibration,
                "drafter + max(features M*k*(d*4+12) + covariance d*d*8, whitened solve, whitened pair + "
-               "teacher head as float64 V*w*8)")
+               "a block of the teacher head as float64)")
         identity = 0
     if job.distill_steps <= 0:
         return 0
