@@ -44,7 +44,7 @@ from slimspec.workflows.bench import (
 from slimspec.workflows.job import ConvertJob, conversion_job, data_options_from, distill_config_from
 from slimspec.workflows.plan import conversion_plan
 from slimspec.workflows.plane import AUTO_SCREENS, build_plane, convert_rank_auto, parse_screen
-from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_command, default_note
+from slimspec.workflows.recipes import UNDISTILLED_EXAMPLE, brief_command, default_note, screen_tip
 
 
 class FiniteFloat(click.FloatRange):
@@ -323,6 +323,8 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
                       f"drafter's acceptance ({UNDISTILLED_EXAMPLE}). Without --distill-steps, convert distils with "
                       f"the demo's brief recipe, that is {brief_command(drafter, str(result.rank))}",
                       SlimSpecWarning, stacklevel=1)
+    if report.get("vocab_mode") == "draft" and "screen" not in report and rank != "auto" and not quiet:
+        click.echo(f"[slimspec] {screen_tip(drafter, rank, report['head_flop_ratio'])}", err=True)
     if push_to:
         try:
             plan = publish.push(result.out, push_to)

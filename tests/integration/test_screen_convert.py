@@ -189,3 +189,21 @@ def test_distill_gives_a_plain_pair_a_screen_and_resizes_one(tiny_target, tmp_pa
         result = runner.invoke(main, ["distill", *args, "-t", str(tiny_target), "--steps", "1", "-o",
                                       str(tmp_path / "no"), *data])
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_a_plain_draft_vocabulary_pair_names_the_screen_within_its_cost(tmp_path):
+    """Catches the screen left unmentioned where it could replace a plain pair over the draft vocabulary, a command
+    whose budget is not the pair's own cost (d/N kept as given, an integer rank as its multiply-add share), and the
+    line printed for a screen or under -q."""
+    write_drafter(tmp_path / "d", "eagle", Spec())
+    write_target(tmp_path / "t")
+    base = ["convert", str(tmp_path / "d"), "-t", str(tmp_path / "t"), "--vocab", "draft", "--distill-steps", "0",
+            "--overwrite", "-o", str(tmp_path / "o")]
+    for rank, budget in (("d/8", "d/8"), ("4", f"{4 * (97 + 32) / (97 * 32):.3f}")):
+        result = CliRunner().invoke(main, [*base, "-r", rank])
+        assert result.exit_code == 0, result.output
+        assert f"slimspec convert {tmp_path / 'd'} --head-budget {budget}" in result.stderr
+    for extra in (["-r", "4", "--shortlist", "9"], ["-r", "4", "-q"]):
+        result = CliRunner().invoke(main, [*base, *extra])
+        assert result.exit_code == 0, result.output
+        assert "--head-budget" not in result.stderr

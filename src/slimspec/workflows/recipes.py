@@ -16,6 +16,10 @@ on the reference drafter at d/8, draft vocab (docs/research.md): rho_proxy
 UNDISTILLED_EXAMPLE = ("the embedded drafter at d/8 keeps rho_tau 0.61 from the SVD start, 0.75 from the whitened "
                        "one, 0.90 after the demo's 200 steps")
 """Measured (docs/research.md): why `convert` and `batch` warn when they do not distil."""
+SCREEN_EVIDENCE = ("on the embedded drafter a screen at 0.059 of the head's multiply-adds keeps rho_tau 0.987 on all "
+                   "80 mt_bench first turns, the plain d/8 pair 0.897 at 0.134")
+"""Measured (BENCHMARKS.md, "Screen and rescore on the reference drafter"): why a plain draft-vocabulary conversion
+names the screen-and-rescore head."""
 BRIEF_TEACHER = "drafter"
 BRIEF_VOCAB = "draft"
 BRIEF_DISTILL_STEPS = BRIEF_RECIPES[BRIEF_TEACHER][1]
@@ -69,3 +73,11 @@ def brief_command(drafter: str, rank: str = "d/8", steps: int | None = None, tea
     return " ".join(args)
 
 
+
+
+def screen_tip(drafter: str, rank_spec: str, share: float) -> str:
+    """The line a plain pair over the draft vocabulary ends with: the command that gets a screen-and-rescore head
+    within the same multiply-adds (``rank_spec`` when it is ``d/N``, else the pair's ``share``)."""
+    budget = rank_spec if rank_spec.replace(" ", "").startswith("d/") else f"{share:.3f}"
+    return (f"a screen-and-rescore head within this pair's cost can keep more of the acceptance ({SCREEN_EVIDENCE}; "
+            f"`slimspec bench plane` measures yours): slimspec convert {drafter} --head-budget {budget}")
