@@ -20,6 +20,18 @@ def _parts(seed: int = 0):
     return up, down, exact, hot, h
 
 
+def _teacher_case(parts_seed: int, seed: int, zero_weight: int):
+    """The head's parts, its states flattened to [T, D], a teacher (rows [T, 11] and head [V, 11]) and token weights
+    with one zero."""
+    up, down, exact, hot, h = _parts(parts_seed)
+    g = torch.Generator().manual_seed(seed)
+    h = h.reshape(-1, D)
+    th, tw = torch.randn(h.shape[0], 11, generator=g), torch.randn(V, 11, generator=g)
+    weights = torch.rand(h.shape[0], generator=g)
+    weights[zero_weight] = 0
+    return up, down, exact, hot, h, th, tw, weights
+
+
 def _reference(h, up, down, exact, hot):
     """Float64: the shortlist by an explicit (score desc, id asc) order, the two-level logits and the exact argmax."""
     h, up, down, exact = (t.double() for t in (h, up, down, exact))
@@ -85,12 +97,7 @@ def test_head_round_trips_through_canonical_tensors():
 def test_two_level_kl_and_gradients_match_float64():
     """Catches a loss on the wrong logits (the pair's alone), a gradient reaching the exact rows or the shortlisted
     screen logits, a token chunk dropped, or a backward that ignores the scale the loss is multiplied by."""
-    up, down, exact, hot, h = _parts(2)
-    g = torch.Generator().manual_seed(3)
-    h = h.reshape(-1, D)
-    th, tw = torch.randn(h.shape[0], 11, generator=g), torch.randn(V, 11, generator=g)
-    weights = torch.rand(h.shape[0], generator=g)
-    weights[3] = 0
+    up, down, exact, hot, h, th, tw, weights = _teacher_case(2, 3, zero_weight=3)
 
     def reference(hh, dd, uu):
         screen = hh @ dd.T @ uu.T
@@ -129,12 +136,7 @@ def test_shortlist_margin_loss_and_gradients_match_float64():
     or gradients that miss the boundary token."""
     from slimspec.distill.loss import shortlist_margin_loss
 
-    up, down, _, hot, h = _parts(4)
-    g = torch.Generator().manual_seed(5)
-    h = h.reshape(-1, D)
-    th, tw = torch.randn(h.shape[0], 11, generator=g), torch.randn(V, 11, generator=g)
-    weights = torch.rand(h.shape[0], generator=g)
-    weights[2] = 0
+    up, down, _, hot, h, th, tw, weights = _teacher_case(4, 5, zero_weight=2)
     wanted = (th.double() @ tw.double().T).argmax(-1)
     wanted[5] = hot[0]  # a hot teacher token: always rescored, no loss
     teacher = torch.full((h.shape[0], V), -5.0).scatter(1, wanted[:, None], 5.0)
