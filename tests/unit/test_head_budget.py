@@ -44,7 +44,7 @@ def test_measured_agreement_matches_a_float64_recomputation():
     wanted = (states.double() @ weight.double().T).argmax(-1)
     hot_order = torch.randperm(V, generator=g)
     budget = 0.45
-    points = _measure(weight, torch.eye(D, dtype=torch.float64), states, wanted, budget,
+    points = _measure(weight, weight, torch.eye(D, dtype=torch.float64), states, wanted, budget,
                       lambda n: torch.sort(hot_order[:n]).values)
     u, s, vh = torch.linalg.svd(weight.double(), full_matrices=False)
     for p in points:

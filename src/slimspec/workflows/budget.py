@@ -10,7 +10,6 @@ buys.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -19,9 +18,10 @@ import torch
 from slimspec.checkpoint.drafter import DrafterCheckpoint
 from slimspec.checkpoint.target_model import TargetParts
 from slimspec.convert.factorize import factorize_whitened
+from slimspec.convert.rank import parse_rank
 from slimspec.distill.pipeline import DataOptions, activation_covariance, hot_rows_of, teacher_for
 from slimspec.distill.train import split_sequences, student_features, training_device
-from slimspec.errors import OptionError
+from slimspec.errors import OptionError, RankError
 from slimspec.model import ScreenRescoreHead, drafter_model, screen_cost
 
 __all__ = ["BudgetChoice", "budget_share", "choose_under_budget", "screen_candidates"]
@@ -31,7 +31,6 @@ CANDIDATE_RANKS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_SHORTLIST = 32
 HOT_SHARE = 0.25
 """Besides N = 0, each rank is tried with this share of its rescored rows given to always-rescored hot tokens."""
-TTT_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -78,10 +77,11 @@ def budget_share(spec: str | float, vocab: int, hidden: int) -> float:
     """A head budget as a share of the full head's multiply-adds: ``d/N`` (the plain rank-d/N pair's cost) or a
     number in (0, 1)."""
     text = str(spec).strip().replace(" ", "")
-    if m := re.fullmatch(r"d/(\d+(?:\.\d+)?)", text):
-        divisor = float(m.group(1))
-        if divisor > 1:
-            return screen_cost(vocab, hidden, max(1, round(hidden / divisor)), 0)
+    if text.startswith("d/"):
+        try:
+            return screen_cost(vocab, hidden, parse_rank(text, hidden), 0)
+        except RankError:
+            pass
     else:
         try:
             share = float(text)
@@ -111,33 +111,34 @@ def screen_candidates(budget: float, vocab: int, hidden: int) -> list[tuple[int,
 
 
 def choose_under_budget(ckpt: DrafterCheckpoint, weight: torch.Tensor, target: TargetParts, options: DataOptions,
-                        budget: float, eval_every_nth: int = 0, progress: bool = True) -> BudgetChoice:
+                        budget: float, eval_every_nth: int = 0, ttt_steps: int = 3, progress: bool = True
+                        ) -> BudgetChoice:
     """Measure every candidate under ``budget`` on the calibration data's held-out sequences (the teacher data the
-    conversion reads; the pairs are whitened on the rest) and return the one of highest agreement (ties: cheaper)."""
+    conversion reads, ``ttt_steps`` steps of each position as its distillation; the pairs are whitened on the rest)
+    and return the one of highest agreement (ties: cheaper)."""
     vocab, hidden = weight.shape
     device = training_device(options.device)
     teacher = teacher_for(ckpt, target, options, progress)
     drafter = drafter_model(ckpt, target).to(device)
     train_idx, eval_idx = split_sequences(teacher, eval_every_nth)
     with torch.no_grad():
-        covariance = activation_covariance(student_features(drafter, teacher, train_idx, TTT_STEPS))
-        held = student_features(drafter, teacher, eval_idx, TTT_STEPS)
+        covariance = activation_covariance(student_features(drafter, teacher, train_idx, ttt_steps))
+        held = student_features(drafter, teacher, eval_idx, ttt_steps)
         states = held.hidden[held.weight > 0].float()
         exact = weight.float().to(states.device)
         wanted = torch.cat([(states[a:a + 4096] @ exact.T).argmax(-1) for a in range(0, len(states), 4096)])
-        points = _measure(weight, covariance, states, wanted, budget,
+        points = _measure(weight, exact, covariance, states, wanted, budget,
                           lambda count: hot_rows_of(ckpt, teacher, vocab, count))
     ranked = sorted(points, key=lambda p: (-p.agreement, p.share))
     chosen = next(p for p in ranked if p.shortlist)
     return BudgetChoice(budget, chosen, tuple(ranked), int(states.shape[0]))
 
 
-def _measure(weight: torch.Tensor, covariance: torch.Tensor, states: torch.Tensor, wanted: torch.Tensor,
-             budget: float, hot_rows: Callable[[int], torch.Tensor]) -> list[BudgetPoint]:
-    """Agreement of each candidate screen, and of the plain pair at the largest rank under the budget
-    (``hot_rows(N)``: the N always-rescored rows)."""
+def _measure(weight: torch.Tensor, exact: torch.Tensor, covariance: torch.Tensor, states: torch.Tensor,
+             wanted: torch.Tensor, budget: float, hot_rows: Callable[[int], torch.Tensor]) -> list[BudgetPoint]:
+    """Agreement of each candidate screen, and of the plain pair at the largest rank under the budget (``exact``:
+    ``weight`` in float32 on the states' device; ``hot_rows(N)``: the N always-rescored rows)."""
     vocab, hidden = weight.shape
-    exact = weight.float().to(states.device)
     by_rank: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def pair(rank: int) -> tuple[torch.Tensor, torch.Tensor]:

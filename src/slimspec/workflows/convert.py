@@ -256,7 +256,8 @@ def _screen_under_budget(job: ConvertJob, inputs: ConversionInputs, weight: torc
     budget = budget_share(job.head_budget, *weight.shape)
     with stages.stage("budget", f"screens under {budget:.3f} of the head's multiply-adds"):
         choice = choose_under_budget(inputs.ckpt, weight, load_target_parts(inputs.target, inputs.target_revision),
-                                     job.data_options, budget, job.distill_config.eval_every_nth, job.progress)
+                                     job.data_options, budget, job.distill_config.eval_every_nth,
+                                     job.distill_config.ttt_steps, job.progress)
     stages.say(choice.summary())
     chosen = choice.chosen
     return replace(job, rank=chosen.rank, shortlist=chosen.shortlist, hot_rows=chosen.hot_rows,
