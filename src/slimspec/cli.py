@@ -264,6 +264,11 @@ RANK_AUTO_OPTIONS = {"drafter", "target", "rank", "kappa", "vocab", "out", "over
                    "token agrees most often with the source head's on held-out calibration states, among those "
                    "whose multiply-adds fit this budget: d/N (the cost of a plain rank-d/N pair) or a share of the "
                    "full head's (0.06). Says what it picked and what the runners-up and the plain pair measured.")
+@click.option("--serve-batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --head-budget: the batch size you serve at. Each sequence rescores its own shortlist, so "
+                   "the rows read grow with the batch: candidates must fit the budget in rows read too (shortlists "
+                   "shrink), and the plain pair is picked where it agrees more than every screen that fits "
+                   "(`slimspec bench head --shortlist K` times where the screen stops paying on your device).")
 @click.option("--recipe", type=click.Choice(choices.RECIPES),
               help="brief (the default when neither --recipe nor --distill-steps is given): the demo's brief "
                    "distillation for every option not given (--vocab draft, 200 steps against the drafter's own "
@@ -323,7 +328,8 @@ def convert(drafter: str, target: str | None, rank: str, vocab: str, out: Path |
                       f"drafter's acceptance ({UNDISTILLED_EXAMPLE}). Without --distill-steps, convert distils with "
                       f"the demo's brief recipe, that is {brief_command(drafter, str(result.rank))}",
                       SlimSpecWarning, stacklevel=1)
-    if report.get("vocab_mode") == "draft" and "screen" not in report and rank != "auto" and not quiet:
+    if report.get("vocab_mode") == "draft" and "screen" not in report and rank != "auto" and not quiet \
+            and not kw.get("head_budget"):
         click.echo(f"[slimspec] {screen_tip(drafter, rank, report['head_flop_ratio'])}", err=True)
     if push_to:
         try:

@@ -238,12 +238,13 @@ def screen_cost(vocab: int, hidden: int, rank: int, shortlist: int, hot_rows: in
 def screen_footprint(vocab: int, hidden: int, rank: int, shortlist: int, hot_rows: int, width: int) -> dict:
     """A screen-and-rescore head's shortlist, multiply-add share of the full head, size in bytes (the pair and the
     exact rows it keeps), and head bytes read per draft step at batch 1 and 64 (the pair, then at most the distinct
-    exact rows the batch rescores), for weights of ``width`` bytes."""
-    pair, scored = rank * (vocab + hidden), shortlist + hot_rows
+    exact rows the batch rescores: the hot rows once, one shortlist per sequence), for weights of ``width`` bytes."""
+    pair = rank * (vocab + hidden)
     return {"shortlist": shortlist, "hot_rows": hot_rows,
             "multiply_add_share": screen_cost(vocab, hidden, rank, shortlist, hot_rows),
             "head_bytes": (pair + vocab * hidden) * width,
-            "bytes_read_per_step": {str(b): (pair + min(vocab, b * scored) * hidden) * width for b in (1, 64)},
+            "bytes_read_per_step": {str(b): (pair + min(vocab, hot_rows + b * shortlist) * hidden) * width
+                                    for b in (1, 64)},
             "full_head_bytes_read_per_step": vocab * hidden * width}
 
 

@@ -398,22 +398,26 @@ def test_a_job_without_distillation_keys_runs_the_default_recipe(tmp_path, monke
 
 
 def test_screen_keys_reach_the_job_and_the_fingerprint(tmp_path, monkeypatch):
-    """Catches a job that differs only in its screen (shortlist, hot rows, head budget) fingerprinted like the plain
-    pair, so a finished plain job made it skip, and screen keys a manifest could not set."""
+    """Catches a job that differs only in its screen (shortlist, hot rows, head budget, serving batch) fingerprinted
+    like the plain pair, so a finished plain job made it skip, and screen keys a manifest could not set."""
     from slimspec.workflows.batch import job_fingerprint
 
     plain = {"drafter": "x", "distill_steps": 4}
     assert job_fingerprint({**plain, "shortlist": 0, "hot_rows": 0, "head_budget": None}) == job_fingerprint(plain)
     prints = {job_fingerprint({**plain, **extra}) for extra in (
-        {}, {"shortlist": 240}, {"shortlist": 240, "hot_rows": 16}, {"head_budget": "d/8"}, {"head_budget": 0.06})}
-    assert len(prints) == 5
+        {}, {"shortlist": 240}, {"shortlist": 240, "hot_rows": 16}, {"head_budget": "d/8"}, {"head_budget": 0.06},
+        {"head_budget": 0.06, "serve_batch": 8})}
+    assert len(prints) == 6
+    assert job_fingerprint({**plain, "head_budget": 0.06, "serve_batch": 1}) == job_fingerprint(
+        {**plain, "head_budget": 0.06})
     seen = []
 
     def capture(job):
-        seen.append((job.head_budget, job.vocab, job.shortlist))
+        seen.append((job.head_budget, job.vocab, job.shortlist, job.serve_batch))
         raise RuntimeError("stop here")
 
     monkeypatch.setattr("slimspec.workflows.convert.run_conversion", capture)
-    (tmp_path / "m.json").write_text(json.dumps([{"drafter": "embedded:smollm2-135m-eagle3", "head_budget": "0.06"}]))
+    (tmp_path / "m.json").write_text(json.dumps([{"drafter": "embedded:smollm2-135m-eagle3", "head_budget": "0.06",
+                                                  "serve_batch": 8}]))
     CliRunner().invoke(main, ["batch", str(tmp_path / "m.json")])
-    assert seen == [("0.06", "draft", 0)]
+    assert seen == [("0.06", "draft", 0, 8)]

@@ -151,6 +151,25 @@ def test_head_budget_picks_a_screen_and_writes_what_it_picked(tiny_target, tmp_p
     assert report["screen"]["multiply_add_share"] == pytest.approx(picked["share"])
 
 
+def test_head_budget_at_a_large_serving_batch_writes_the_plain_pair(tiny_target, tmp_path):
+    """Catches `--serve-batch` ignored: at batch 64 no shortlist of 32 rows per sequence fits a d/4 budget on a
+    512-token head, so the budget must write the plain pair at the largest rank it affords, and say so."""
+    from slimspec.checkpoint.target_model import load_target_model
+
+    vocab = load_target_model(tiny_target)[0].config.vocab_size
+    write_drafter(tmp_path / "d", "eagle", Spec(vocab=vocab, draft_vocab=512, hidden=32, target_hidden=32))
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "d"), "-t", str(tiny_target), "--head-budget",
+                                       "d/4", "--serve-batch", "64", "--init", "whitened", "--distill-steps", "0",
+                                       "--num-prompts", "6", "--max-new-tokens", "8", "-o", str(tmp_path / "o"),
+                                       "--json", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "at batch 64 (multiply-adds and rows read): plain pair r=8" in result.stderr
+    report = json.loads(result.stdout)
+    assert report["head_budget"]["batch"] == 64 and [p["shortlist"] for p in report["head_budget"]["points"]] == [0]
+    ckpt = load_drafter(tmp_path / "o")
+    assert ckpt.rank == 8 and not ckpt.is_screen and "screen" not in report
+
+
 @pytest.mark.slow
 def test_distill_gives_a_plain_pair_a_screen_and_resizes_one(tiny_target, tmp_path):
     """Catches `distill --shortlist` ignored (the plain pair written back), exact rows taken from anywhere but the

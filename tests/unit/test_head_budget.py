@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from slimspec.errors import OptionError
-from slimspec.workflows.budget import _measure, budget_share, screen_candidates
+from slimspec.workflows.budget import BudgetPoint, _measure, _pick, budget_share, read_share, screen_candidates
 from slimspec.workflows.job import conversion_job
 
 V, D = 301, 24
@@ -33,6 +33,32 @@ def test_every_candidate_fits_the_budget_and_spends_it():
         assert shortlist >= 32 and hot >= 0
     with pytest.raises(OptionError, match="raise it"):
         screen_candidates(0.001, 8192, 576)
+
+
+@pytest.mark.parametrize("batch", [2, 8])
+def test_candidates_at_a_serving_batch_fit_the_rows_read(batch):
+    """Catches shortlists sized for one sequence at a larger serving batch: each sequence rescores its own K rows,
+    so B shortlists (and the hot rows once) must fit what the budget leaves after the pair."""
+    budget, v, d = 0.06, 8192, 576
+    found = screen_candidates(budget, v, d, batch)
+    assert found and all(k >= 32 for _, k, _ in found)
+    for rank, shortlist, hot in found:
+        assert read_share(v, d, rank, shortlist, hot, batch) <= budget
+        assert (rank * (v + d) + min(v, hot + batch * shortlist) * d) / (v * d) == read_share(
+            v, d, rank, shortlist, hot, batch)
+        assert read_share(v, d, rank, shortlist + 1, hot, batch) > budget - d / (v * d) * (batch - 1)
+    assert max(k for _, k, _ in found) < max(k for _, k, _ in screen_candidates(budget, v, d))
+    assert screen_candidates(budget, v, d, 64) == []  # none fits: the plain pair alone is measured
+
+
+def test_the_plain_pair_is_picked_only_at_a_serving_batch():
+    """Catches the plain pair picked at batch 1 (a budget asks for a screen there), or a screen kept at a larger
+    batch where the plain pair agrees more."""
+    screen = BudgetPoint(16, 240, 0, 0.059, 0.80, 0.059)
+    plain = BudgetPoint(32, 0, 0, 0.06, 0.90, 0.06)
+    assert _pick([plain, screen], 1) == screen
+    assert _pick([plain, screen], 8) == plain
+    assert _pick([BudgetPoint(16, 240, 0, 0.059, 0.95, 0.3), plain], 8).shortlist == 240
 
 
 def test_measured_agreement_matches_a_float64_recomputation():
@@ -74,3 +100,13 @@ def test_head_budget_refusals(extra, message):
     with pytest.raises(OptionError, match="head_budget") as caught:
         conversion_job(options, {"head_budget", *extra}).validate()
     assert message in str(caught.value)
+
+
+def test_serve_batch_without_a_head_budget_is_refused():
+    """Catches `--serve-batch` accepted on a plain conversion, where nothing reads it."""
+    with pytest.raises(OptionError, match="serve_batch"):
+        conversion_job({"drafter": "embedded:smollm2-135m-eagle3", "serve_batch": 8}, {"serve_batch"}).validate()
+    job = conversion_job({"drafter": "embedded:smollm2-135m-eagle3", "head_budget": "0.06", "serve_batch": 8},
+                         {"head_budget", "serve_batch"})
+    job.validate()
+    assert job.serve_batch == 8

@@ -31,9 +31,11 @@ DISTILL_DEFAULTS: dict[str, Any] = {"teacher": "target", "lr": 2e-3, "warmup_ste
 JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "init", "distill_steps", "data",
             "num_prompts", "responses", "max_new_tokens", "overwrite", "push_to", "eval_prompts", "revision",
             "generation_engine", "generation_dtype", "target_revision", "device", "recipe", "feature_dtype",
-            "max_memory", "offload_folder", "shortlist", "hot_rows", "head_budget", *DISTILL_DEFAULTS}
+            "max_memory", "offload_folder", "shortlist", "hot_rows", "head_budget", "serve_batch",
+            *DISTILL_DEFAULTS}
 INT_KEYS = {"distill_steps": 0, "num_prompts": 0, "max_new_tokens": 1, "eval_prompts": 0,  # smallest value each
-            "warmup_steps": 0, "batch_tokens": 1, "ttt_steps": 1, "shortlist": 0, "hot_rows": 0}
+            "warmup_steps": 0, "batch_tokens": 1, "ttt_steps": 1, "shortlist": 0, "hot_rows": 0,
+            "serve_batch": 1}
 FLOAT_KEYS = {"lr": False, "teacher_temperature": False, "temperature": True}  # True: 0 allowed, else > 0
 CHOICES = {"vocab": choices.VOCABS, "stitch": choices.STITCHES, "init": choices.INITS,
            "dtype": (*choices.OUTPUT_DTYPES, None), "responses": choices.RESPONSES,
@@ -208,6 +210,8 @@ def job_fingerprint(job: dict[str, Any]) -> str:
     for key in ("shortlist", "hot_rows", "head_budget"):  # absent, 0 or null: a plain pair, as jobs always had
         if job.get(key):
             payload[key] = job[key]
+    if job.get("serve_batch", 1) != 1:
+        payload["serve_batch"] = job["serve_batch"]
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -16,7 +16,7 @@ from slimspec import embedded
 from slimspec.checkpoint.drafter import LOWRANK_DOWN, SCREEN_HEAD, DrafterCheckpoint, load_drafter
 from slimspec.checkpoint.known import known_target
 from slimspec.checkpoint.target import TargetHead, load_target_head
-from slimspec.checkpoint.target_model import load_target_parts
+from slimspec.checkpoint.target_model import TargetParts, load_target_parts
 from slimspec.checkpoint.writer import (
     atomic_folder,
     check_output_free,
@@ -63,6 +63,13 @@ class ConversionInputs:
     target_revision: str | None
     target_path: Path | None
     target_head: TargetHead | None
+    _parts: TargetParts | None = None
+
+    def target_parts(self) -> TargetParts:
+        """The target's head and embedding (read once: a head budget and the distillation share them)."""
+        if self._parts is None:
+            self._parts = load_target_parts(str(self.target), self.target_revision)
+        return self._parts
 
 
 def convert_drafter(
@@ -254,10 +261,11 @@ def _screen_under_budget(job: ConvertJob, inputs: ConversionInputs, weight: torc
     if inputs.target is None:
         raise job.no_target_error()
     budget = budget_share(job.head_budget, *weight.shape)
-    with stages.stage("budget", f"screens under {budget:.3f} of the head's multiply-adds"):
-        choice = choose_under_budget(inputs.ckpt, weight, load_target_parts(inputs.target, inputs.target_revision),
-                                     job.data_options, budget, job.distill_config.eval_every_nth,
-                                     job.distill_config.ttt_steps, job.progress)
+    served = f" at batch {job.serve_batch}" if job.serve_batch > 1 else ""
+    with stages.stage("budget", f"screens under {budget:.3f} of the head's multiply-adds{served}"):
+        choice = choose_under_budget(inputs.ckpt, weight, inputs.target_parts(), job.data_options, budget,
+                                     job.distill_config.eval_every_nth, job.distill_config.ttt_steps, job.progress,
+                                     job.serve_batch)
     stages.say(choice.summary())
     chosen = choice.chosen
     return replace(job, rank=chosen.rank, shortlist=chosen.shortlist, hot_rows=chosen.hot_rows,
@@ -286,7 +294,7 @@ def _calibrate_and_distil(job: ConvertJob, inputs: ConversionInputs, weight: tor
     config = replace(job.distill_config, steps=steps)
     with stages.stage("distill", f"calibration ({init} init) and {steps} distillation steps"):
         return init_and_distill(inputs.ckpt, weight, r, w_up, w_down, d2t,
-                                load_target_parts(inputs.target, inputs.target_revision), job.data_options, config,
+                                inputs.target_parts(), job.data_options, config,
                                 init, job.progress, screen=(job.shortlist, job.hot_rows) if job.shortlist else None)
 
 

@@ -65,6 +65,7 @@ class ConvertJob:
     shortlist: int = 0  # screen and rescore: the pair's top K tokens rescored by the exact rows (0: the plain pair)
     hot_rows: int = 0  # screen and rescore: the N most frequent draft tokens, always rescored
     head_budget: str | None = None  # the screen (r, K, N) of best measured agreement under this cost (``d/8``, 0.06)
+    serve_batch: int = 1  # the batch size a head budget is planned for (rows read grow with it; see budget.py)
     recipe: str | None = None  # the recipe that set the options not given (``brief``), if any
     given: frozenset[str] = frozenset()
     progress: bool = True
@@ -132,6 +133,11 @@ def _check_screen(job: ConvertJob) -> None:
                           "full the exact rows would be the target's whole head)", "shortlist", "vocab")
     if job.head_budget is not None:
         _check_head_budget(job)
+    if job.serve_batch != 1 and job.head_budget is None:
+        raise OptionError("{serve_batch} is the batch size a {head_budget} is planned for: give {head_budget} too",
+                          "serve_batch", "head_budget")
+    if job.serve_batch < 1:
+        raise OptionError(f"{{serve_batch}} must be >= 1, got {job.serve_batch}", "serve_batch")
     if job.hot_rows and not job.reads_data:
         raise OptionError("{hot_rows} are the tokens most frequent in the target's answers to the calibration "
                           "prompts: give {distill_steps} N (or {init} whitened)", "hot_rows", "distill_steps")
@@ -243,7 +249,7 @@ def conversion_job(options: dict[str, Any], given: Iterable[str] = (), **setting
     steps = int(options.get("distill_steps") or 0)
     fields = {name: options[name] for name in ("target", "rank", "vocab", "dtype", "overwrite", "revision",
                                               "target_revision", "stitch", "init", "push_to", "recipe",
-                                              "shortlist", "hot_rows", "head_budget")
+                                              "shortlist", "hot_rows", "head_budget", "serve_batch")
               if options.get(name) is not None}
     if options.get("out") is not None:
         fields["out"] = Path(options["out"])

@@ -533,8 +533,10 @@ def _screen_notes(job: ConvertJob, vocab: int, hidden: int, rank: int | None) ->
     """What a screen-and-rescore job adds to the plan: its shortlist and cost, or that a head budget picks them."""
     if job.head_budget is not None:
         share = budget_share(job.head_budget, vocab, hidden)
-        return [f"head budget {share:.3f} of the head's multiply-adds: the rank, --shortlist and --hot-rows are "
-                "picked when it runs, from the screens under it measured on held-out calibration states (the "
+        served = (f" and, served at batch {job.serve_batch}, in rows read (the plain pair if no screen that fits "
+                  "agrees more)") if job.serve_batch > 1 else ""
+        return [f"head budget {share:.3f} of the head's multiply-adds{served}: the rank, --shortlist and --hot-rows "
+                "are picked when it runs, from the screens under it measured on held-out calibration states (the "
                 "memory shown is the plain pair's; the drafter's own rows stay beside the pair)"]
     if job.shortlist and rank is not None:
         share = screen_cost(vocab, hidden, rank, job.shortlist, job.hot_rows)
