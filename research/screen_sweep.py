@@ -9,6 +9,7 @@ as a share of the full head, ``(r (V + d) + (K + N) d) / (V d)``. Hot rows: the 
 target's answers to the calibration prompts. Measures on eval/ prompts; trains on the calibration prompts only.
 
     python research/screen_sweep.py --points 16:240,8:360 --steps 400 --save out/screen/heads
+    python research/screen_sweep.py --points 16:240 --steps 400 --train-shortlist 0.5   # trained at K = 120
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=0, help="distillation steps per point (0: the whitened start)")
     parser.add_argument("--loss", default="two_level", choices=("two_level", "pair", "margin"))
     parser.add_argument("--lr", type=float, default=5e-3)
+    parser.add_argument("--train-shortlist", type=float, default=1.0,
+                        help="train at this multiple of each point's shortlist (< 1: a tighter list than served)")
     parser.add_argument("--eval-data", default="src/slimspec/data/eval/mt_bench.jsonl")
     parser.add_argument("--save", default=None, help="folder to save each point's head tensors (pt) in")
     parser.add_argument("--json", default=None, help="append one JSON line per point to this file")
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         n = rest[0] if rest else 0
         hot = torch.sort(hot_order[:n]).values if n else None
         up, down = (t.float() for t in factorize_whitened(weight, r, cov))
-        drafter.lm_head = ScreenRescoreHead(up, down, weight, k, hot)
+        drafter.lm_head = ScreenRescoreHead(up, down, weight, max(1, round(k * args.train_shortlist)), hot)
         started = time.perf_counter()
         summary = {}
         if args.steps > 0:
@@ -90,12 +93,14 @@ def main(argv: list[str] | None = None) -> int:
             result = train_drafter(drafter, cal, teacher_head, cfg, progress=False)
             summary = {k2: result.summary()[k2] for k2 in ("kl_before", "kl_after", "top1_before", "top1_after")}
         head = drafter.lm_head
+        head.shortlist = k  # served at the point's shortlist, whatever it trained at
         with torch.no_grad():
             agree = float((head.greedy(states) == reference).float().mean())
             pair = float(((states @ head.down.T @ head.up.T).argmax(-1) == reference).float().mean())
             recall = float((head.shortlist_ids(head.screen(states)) == reference[:, None]).any(-1).float().mean())
         row = {"rank": r, "shortlist": k, "hot_rows": n, "cost": screen_cost(vocab, hidden, r, k, n),
-               "steps": args.steps, "loss": args.loss, "agreement": agree, "pair_agreement": pair,
+               "steps": args.steps, "loss": args.loss, "train_shortlist": round(k * args.train_shortlist),
+               "agreement": agree, "pair_agreement": pair,
                "recall": recall, "seconds": round(time.perf_counter() - started, 1), **summary}
         print(json.dumps(row), flush=True)
         if args.json:
@@ -104,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.save:
             folder = Path(args.save)
             folder.mkdir(parents=True, exist_ok=True)
+            tag = f"-t{round(k * args.train_shortlist)}" if args.train_shortlist != 1.0 else ""
             torch.save({"up": head.up.detach(), "down": head.down.detach(), "shortlist": k,
-                        "hot_ids": head.hot_ids}, folder / f"r{r}-k{k}-n{n}-{args.loss}-{args.steps}.pt")
+                        "hot_ids": head.hot_ids}, folder / f"r{r}-k{k}-n{n}-{args.loss}-{args.steps}{tag}.pt")
     return 0
 
 
