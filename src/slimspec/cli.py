@@ -172,6 +172,10 @@ def data_options(func):
         click.option("--teacher-temperature", type=float, default=1.0, show_default=True,
                      help="Distil against softmax(teacher logits / T): below 1 sharpens the teacher toward its "
                           "argmax (the token greedy verification accepts); the reported held-out KL stays at T=1."),
+        click.option("--screen-train-share", type=POSITIVE, default=0.5, show_default=True,
+                     help="A screen-and-rescore head (--shortlist K) is distilled as if its shortlist were this share "
+                          "of K: the teacher's tokens are pulled into the pair's top share x K, a margin at the K "
+                          "it serves (held-out numbers stay at K); 1: at K."),
         click.option("--ttt-steps", type=click.IntRange(min=1), default=3, show_default=True,
                      help="Training-time-test unroll."),
         click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak AdamW learning rate."),
@@ -573,13 +577,14 @@ def batch(manifest: Path, continue_on_error: bool, report: Path | None, dry_run:
     Job options: drafter, target, rank, vocab, out, overwrite, dtype, stitch, init, distill_steps, data, num_prompts,
     responses, max_new_tokens, generation_engine, generation_dtype, revision (the drafter's), target_revision, device,
     max_memory, offload_folder (where the teacher data is computed and the head distilled; not part of what makes a
-    job's output), feature_dtype, push_to, eval_prompts (measure tau on that many mt_bench prompts); the distillation's
-    teacher, lr, warmup_steps, batch_tokens, ttt_steps, seed, bf16, teacher_temperature, temperature, aux_layers (a
-    list), aux_convention, as convert's options; recipe: brief (convert --recipe brief: the demo's distillation, under
-    any key the job or the defaults give). Jobs without distillation are named in a warning at the end. A job whose
-    output already holds the same conversion is skipped, one holding another batch job's is replaced (any other existing
-    folder only with overwrite: true; never the drafter's own); outputs are written atomically, so a killed batch can
-    simply be run again. Exit code 1 when any job failed.
+    job's output), feature_dtype, push_to, eval_prompts (measure tau on that many mt_bench prompts); shortlist,
+    hot_rows, head_budget, serve_batch; the distillation's teacher, lr, warmup_steps, batch_tokens, ttt_steps, seed,
+    bf16, teacher_temperature, screen_train_share, temperature, aux_layers (a list), aux_convention, as convert's
+    options; recipe: brief (convert --recipe brief: the demo's distillation, under any key the job or the defaults
+    give). Jobs without distillation are named in a warning at the end. A job whose output already holds the same
+    conversion is skipped, one holding another batch job's is replaced (any other existing folder only with
+    overwrite: true; never the drafter's own); outputs are written atomically, so a killed batch can simply be run
+    again. Exit code 1 when any job failed.
     """
     if dry_run:
         if any(line["status"] in ("refused", "failed") for line in plan_batch(manifest, report_path=report)):

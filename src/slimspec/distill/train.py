@@ -68,6 +68,9 @@ class DistillConfig:
     # elsewhere), "pair" (the plain pair's full-vocabulary KL, as for a low-rank head) or "margin" (the teacher's
     # argmax above the shortlist's boundary: recall alone, :func:`shortlist_margin_loss`)
     screen_loss: str = "two_level"
+    # a screen-and-rescore head distils as if its shortlist were this share of K (held-out numbers stay at K): the
+    # teacher's tokens are pulled into the pair's top share x K, a margin at the K it serves (docs/research.md)
+    screen_train_share: float = 0.5
 
     def __post_init__(self) -> None:
         # checked here, where every caller builds its config, not after the teacher data is built
@@ -78,6 +81,9 @@ class DistillConfig:
                               "teacher_temperature")
         if self.warmup_steps < 0:
             raise OptionError(f"{{warmup_steps}} must be >= 0, got {self.warmup_steps}", "warmup_steps")
+        if not 0 < self.screen_train_share <= 1:
+            raise OptionError(f"{{screen_train_share}} must lie in (0, 1], got {self.screen_train_share:g}",
+                              "screen_train_share")
         if self.screen_loss not in SCREEN_LOSSES:
             raise OptionError(f"{{screen_loss}} must be one of {', '.join(SCREEN_LOSSES)}, got {self.screen_loss!r}",
                               "screen_loss")
@@ -374,7 +380,7 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
              teacher_temperature: float = 1.0,
              teacher_logits: torch.Tensor | None = None,
              teacher_rows: torch.Tensor | None = None,
-             screen_loss: str = "two_level") -> tuple[torch.Tensor, list[float]]:
+             screen_loss: str = "two_level", shortlist_share: float = 1.0) -> tuple[torch.Tensor, list[float]]:
     """Loss = sum_i decay^i * KL_i (KL_i the weighted mean over tokens) and the per-step KLs.
 
     ``global_weight`` [k] (the weight sums over all ranks) makes the per-rank losses add up to the global one.
@@ -387,10 +393,11 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
     (rows of a :func:`slimspec.distill.teacher_table.teacher_table`); ``teacher_head`` is then not used. With
     ``teacher_rows`` [B], ``teacher_logits`` is the whole table [N, k, V] and row b of the batch is its row
     ``teacher_rows[b]``: only the rows a step keeps are copied out of it.
-    ``screen_loss``: a screen-and-rescore head's loss (``two_level`` or ``pair``, see :class:`DistillConfig`).
+    ``screen_loss``: a screen-and-rescore head's loss (``two_level`` or ``pair``, see :class:`DistillConfig`), at
+    ``shortlist_share`` of its shortlist.
     """
     down, up = head_factors(drafter)
-    kl_of = head_kl(drafter, screen_loss)
+    kl_of = head_kl(drafter, screen_loss, shortlist_share)
     total = hidden.new_zeros(())
     per_step = []
     for i in range(hidden.shape[1]):
@@ -421,23 +428,25 @@ def kl_terms(drafter: Eagle3Drafter, hidden: torch.Tensor, teacher_index: torch.
     return total, per_step
 
 
-def head_kl(drafter: Eagle3Drafter, screen_loss: str = "two_level"):
+def head_kl(drafter: Eagle3Drafter, screen_loss: str = "two_level", shortlist_share: float = 1.0):
     """The KL function of the drafter's head, called as :func:`full_vocab_kl`: the two-level KL for a screen-and-rescore
-    head (unless ``screen_loss`` is ``pair``), else the pair's full-vocabulary KL."""
+    head (unless ``screen_loss`` is ``pair``), else the pair's full-vocabulary KL. A screen's loss takes
+    ``shortlist_share`` of its shortlist (at least one token)."""
     head = drafter.lm_head
     if not isinstance(head, ScreenRescoreHead) or screen_loss == "pair":
         return full_vocab_kl
+    shortlist = max(1, round(head.shortlist * shortlist_share))
     if screen_loss == "margin":
-        return partial(_screen_margin, head)
-    return partial(_screen_kl, head)
+        return partial(_screen_margin, head, shortlist)
+    return partial(_screen_kl, head, shortlist)
 
 
-def _screen_margin(head: ScreenRescoreHead, h, down, up, *args, **kwargs):
-    return shortlist_margin_loss(h, down, up, head.shortlist, head.hot_ids, *args, **kwargs)
+def _screen_margin(head: ScreenRescoreHead, shortlist: int, h, down, up, *args, **kwargs):
+    return shortlist_margin_loss(h, down, up, shortlist, head.hot_ids, *args, **kwargs)
 
 
-def _screen_kl(head: ScreenRescoreHead, h, down, up, *args, **kwargs):
-    return two_level_kl(h, down, up, head.exact, head.shortlist, head.hot_ids, *args, **kwargs)
+def _screen_kl(head: ScreenRescoreHead, shortlist: int, h, down, up, *args, **kwargs):
+    return two_level_kl(h, down, up, head.exact, shortlist, head.hot_ids, *args, **kwargs)
 
 
 def _screen_top1(head: ScreenRescoreHead, h, down, up, teacher_rows, teacher_head, *, weights):
@@ -791,7 +800,8 @@ def _train_step(state: _Training, step: int, rank: int, world: int) -> tuple[flo
                               cfg.decay, global_weight, kind=state.spec.kind, source=state.spec.source,
                               matmul_dtype=torch.bfloat16 if cfg.bf16 else None,
                               teacher_temperature=cfg.teacher_temperature,
-                              teacher_logits=logits, teacher_rows=table_rows, screen_loss=cfg.screen_loss)
+                              teacher_logits=logits, teacher_rows=table_rows, screen_loss=cfg.screen_loss,
+                              shortlist_share=cfg.screen_train_share)
     if loss.requires_grad:  # a batch without weighted rows (this rank's, or all) gives a constant: no gradient
         loss.backward()
     for p in params:

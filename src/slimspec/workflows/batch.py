@@ -26,6 +26,7 @@ from slimspec.workflows.recipes import DEFAULT_RECIPE, UNDISTILLED_EXAMPLE, brie
 
 DISTILL_DEFAULTS: dict[str, Any] = {"teacher": "target", "lr": 2e-3, "warmup_steps": 10, "batch_tokens": 2048,
                                     "ttt_steps": 3, "seed": 0, "bf16": False, "teacher_temperature": 1.0,
+                                    "screen_train_share": 0.5,
                                     "temperature": 0.0, "aux_layers": None, "aux_convention": None}
 """Distillation keys of a job and their values when absent (those of ``slimspec convert``'s options)."""
 JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "init", "distill_steps", "data",
@@ -36,7 +37,8 @@ JOB_KEYS = {"drafter", "target", "rank", "vocab", "out", "dtype", "stitch", "ini
 INT_KEYS = {"distill_steps": 0, "num_prompts": 0, "max_new_tokens": 1, "eval_prompts": 0,  # smallest value each
             "warmup_steps": 0, "batch_tokens": 1, "ttt_steps": 1, "shortlist": 0, "hot_rows": 0,
             "serve_batch": 1}
-FLOAT_KEYS = {"lr": False, "teacher_temperature": False, "temperature": True}  # True: 0 allowed, else > 0
+FLOAT_KEYS = {"lr": False, "teacher_temperature": False, "temperature": True,  # True: 0 allowed, else > 0
+              "screen_train_share": False}
 CHOICES = {"vocab": choices.VOCABS, "stitch": choices.STITCHES, "init": choices.INITS,
            "dtype": (*choices.OUTPUT_DTYPES, None), "responses": choices.RESPONSES,
            "generation_engine": choices.GENERATION_ENGINES, "generation_dtype": choices.GENERATION_DTYPES,

@@ -32,11 +32,12 @@ DATA_OPTIONS = {"data": None, "num_prompts": None, "responses": "regenerate", "m
                 "max_memory": None, "offload_folder": None, "feature_dtype": "auto"}
 """Options that shape the teacher data (and where the target computes it), and their defaults."""
 DISTILL_OPTIONS = {"teacher": "target", "lr": 2e-3, "warmup_steps": 10, "batch_tokens": 2048, "ttt_steps": 3,
-                   "bf16": False, "teacher_temperature": 1.0}
+                   "bf16": False, "teacher_temperature": 1.0, "screen_train_share": 0.5}
 """Options of the distillation loop (``DistillConfig`` fields; ``seed`` also seeds it), and their defaults."""
 UNREAD_WITHOUT_DATA = ("data", "num_prompts", "responses", "max_new_tokens", "temperature", "generation_engine",
                        "generation_dtype", "feature_dtype", "max_memory", "offload_folder", "aux_layers",
-                       "aux_convention", "teacher", "teacher_temperature", "ttt_steps", "lr", "warmup_steps",
+                       "aux_convention", "teacher", "teacher_temperature", "screen_train_share", "ttt_steps", "lr",
+                       "warmup_steps",
                        "batch_tokens", "seed", "bf16")
 """Options a conversion reads only when it computes teacher data (a whitened start or distillation steps), in the
 order ``--help`` lists them."""
