@@ -16,7 +16,7 @@ on the reference drafter at d/8, draft vocab (docs/research.md): rho_proxy
 UNDISTILLED_EXAMPLE = ("the embedded drafter at d/8 keeps rho_tau 0.61 from the SVD start, 0.75 from the whitened "
                        "one, 0.90 after the demo's 200 steps")
 """Measured (docs/research.md): why `convert` and `batch` warn when they do not distil."""
-SCREEN_EVIDENCE = ("on the embedded drafter a screen at 0.059 of the head's multiply-adds keeps rho_tau 0.987 on all "
+SCREEN_EVIDENCE = ("on the embedded drafter a screen at 0.059 of the head's multiply-adds keeps rho_tau 0.995 on all "
                    "80 mt_bench first turns, the plain d/8 pair 0.897 at 0.134")
 """Measured (BENCHMARKS.md, "Screen and rescore on the reference drafter"): why a plain draft-vocabulary conversion
 names the screen-and-rescore head."""
