@@ -67,7 +67,8 @@ def test_dry_run_of_the_embedded_drafter_prints_the_plan_and_writes_nothing(no_w
 
 def test_dry_run_of_a_screen_says_its_cost_or_that_the_budget_picks_it(no_weights):
     """Catches a screen-and-rescore plan printed as a plain pair (its shortlist and cost, 16 x (8192 + 576) + 240 x
-    576 over 8192 x 576 = 0.059, unsaid) and a head budget planned as if the rank were fixed."""
+    576 over 8192 x 576 = 0.059, unsaid) and a head budget planned as if the rank were fixed or its serving batch
+    left unsaid."""
     screen = CliRunner().invoke(main, ["convert", DRAFTER, "--rank", "16", "--shortlist", "240", "--dry-run"])
     assert screen.exit_code == 0, screen.output
     assert "the pair's top 240 rescored by the drafter's own rows, 0.059 of the head's multiply-adds" in screen.stdout
@@ -75,6 +76,9 @@ def test_dry_run_of_a_screen_says_its_cost_or_that_the_budget_picks_it(no_weight
     assert budget.exit_code == 0, budget.output
     assert "head budget 0.134 of the head's multiply-adds: the rank, --shortlist and --hot-rows are picked" in \
         budget.stdout
+    served = CliRunner().invoke(main, ["convert", DRAFTER, "--head-budget", "d/8", "--serve-batch", "8", "--dry-run"])
+    assert served.exit_code == 0, served.output
+    assert "head budget 0.134 of the head's multiply-adds and, served at batch 8, in rows read" in served.stdout
     _nothing_written(no_weights)
 
 
