@@ -105,8 +105,7 @@ def budget_share(spec: str | float, vocab: int, hidden: int) -> float:
 def read_share(vocab: int, hidden: int, rank: int, shortlist: int, hot_rows: int = 0, batch: int = 1) -> float:
     """Head weights read per draft step at ``batch`` sequences, as a share of the full head's: the pair once, the
     hot rows once, and at most ``batch`` shortlists of distinct exact rows (a plain pair: ``shortlist`` 0)."""
-    rows = min(vocab, hot_rows + batch * shortlist)
-    return (rank * (vocab + hidden) + rows * hidden) / (vocab * hidden)
+    return screen_cost(vocab, hidden, rank, min(vocab, hot_rows + batch * shortlist))
 
 
 def screen_candidates(budget: float, vocab: int, hidden: int, batch: int = 1) -> list[tuple[int, int, int]]:
@@ -150,13 +149,12 @@ def choose_under_budget(ckpt: DrafterCheckpoint, weight: torch.Tensor, target: T
         wanted = torch.cat([(states[a:a + 4096] @ exact.T).argmax(-1) for a in range(0, len(states), 4096)])
         points = _measure(weight, exact, covariance, states, wanted, budget,
                           lambda count: hot_rows_of(ckpt, teacher, vocab, count), batch)
-    ranked = sorted(points, key=lambda p: (-p.agreement, p.share))
+    ranked = sorted(points, key=lambda p: (-p.agreement, p.share))  # best first; ties: cheaper
     return BudgetChoice(budget, _pick(ranked, batch), tuple(ranked), int(states.shape[0]), batch)
 
 
-def _pick(points: list[BudgetPoint], batch: int) -> BudgetPoint:
-    """The candidate of highest agreement (ties: cheaper); at batch 1 a screen, whatever the plain pair measured."""
-    ranked = sorted(points, key=lambda p: (-p.agreement, p.share))
+def _pick(ranked: list[BudgetPoint], batch: int) -> BudgetPoint:
+    """The first of ``ranked`` (best first); at batch 1 the first screen, whatever the plain pair measured."""
     return next(p for p in ranked if p.shortlist or batch > 1)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,7 @@ class ConversionInputs:
     target_revision: str | None
     target_path: Path | None
     target_head: TargetHead | None
-    _parts: TargetParts | None = None
+    _parts: TargetParts | None = field(default=None, init=False, repr=False)
 
     def target_parts(self) -> TargetParts:
         """The target's head and embedding (read once: a head budget and the distillation share them)."""

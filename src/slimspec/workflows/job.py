@@ -37,8 +37,7 @@ DISTILL_OPTIONS = {"teacher": "target", "lr": 2e-3, "warmup_steps": 10, "batch_t
 UNREAD_WITHOUT_DATA = ("data", "num_prompts", "responses", "max_new_tokens", "temperature", "generation_engine",
                        "generation_dtype", "feature_dtype", "max_memory", "offload_folder", "aux_layers",
                        "aux_convention", "teacher", "teacher_temperature", "screen_train_share", "ttt_steps", "lr",
-                       "warmup_steps",
-                       "batch_tokens", "seed", "bf16")
+                       "warmup_steps", "batch_tokens", "seed", "bf16")
 """Options a conversion reads only when it computes teacher data (a whitened start or distillation steps), in the
 order ``--help`` lists them."""
 
@@ -134,11 +133,11 @@ def _check_screen(job: ConvertJob) -> None:
                           "full the exact rows would be the target's whole head)", "shortlist", "vocab")
     if job.head_budget is not None:
         _check_head_budget(job)
+    if job.serve_batch < 1:
+        raise OptionError(f"{{serve_batch}} must be >= 1, got {job.serve_batch}", "serve_batch")
     if job.serve_batch != 1 and job.head_budget is None:
         raise OptionError("{serve_batch} is the batch size a {head_budget} is planned for: give {head_budget} too",
                           "serve_batch", "head_budget")
-    if job.serve_batch < 1:
-        raise OptionError(f"{{serve_batch}} must be >= 1, got {job.serve_batch}", "serve_batch")
     if job.hot_rows and not job.reads_data:
         raise OptionError("{hot_rows} are the tokens most frequent in the target's answers to the calibration "
                           "prompts: give {distill_steps} N (or {init} whitened)", "hot_rows", "distill_steps")

@@ -73,8 +73,6 @@ def brief_command(drafter: str, rank: str = "d/8", steps: int | None = None, tea
     return " ".join(args)
 
 
-
-
 def screen_tip(drafter: str, rank_spec: str, share: float) -> str:
     """The line a plain pair over the draft vocabulary ends with: the command that gets a screen-and-rescore head
     within the same multiply-adds (``rank_spec`` when it is ``d/N``, else the pair's ``share``)."""
